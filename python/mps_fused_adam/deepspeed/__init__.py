@@ -1,0 +1,141 @@
+"""DeepSpeed glue: make DeepSpeed's own Adam optimizers run this package's prebuilt kernels.
+
+    import mps_fused_adam.deepspeed
+    mps_fused_adam.deepspeed.install()      # before or after `import deepspeed`, before deepspeed.initialize
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, config=config)
+
+``install()`` redirects DeepSpeed's ``FusedAdamBuilder`` and ``CPUAdamBuilder`` on the active
+accelerator (MPS, CPU, CUDA...) to the facades in :mod:`.ops`, so ``deepspeed.ops.adam.FusedAdam``
+and ``DeepSpeedCPUAdam`` (also when ``deepspeed.initialize`` builds them from a config's
+``"optimizer"`` section, and under ZeRO stages 0 to 3 with or without offload) run our kernels,
+and no op is JIT-compiled. With MPS present it selects DeepSpeed's MPS accelerator, extended by
+:mod:`.accelerator`. DeepSpeed's optimizer classes are untouched, so ZeRO's type checks pass.
+
+Importing this package does not import DeepSpeed; ``install()`` does.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Dict
+
+from .ops import kernel_calls, reset_kernel_calls
+
+__all__ = ["install", "installed", "kernel_calls", "reset_kernel_calls", "MIN_DEEPSPEED", "TESTED_DEEPSPEED"]
+
+#: Oldest DeepSpeed whose op interfaces (``multi_tensor_adam``; ``create_adam`` with ``should_log``;
+#: ``set_accelerator``) match the facades. Only TESTED_DEEPSPEED is tested in CI.
+MIN_DEEPSPEED = "0.14.0"
+TESTED_DEEPSPEED = "0.19.8"
+
+_lock = threading.RLock()
+_state: Dict[str, Any] = {}
+
+
+def _version_tuple(version: str) -> tuple:
+    parts = []
+    for piece in version.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
+def _import_deepspeed():
+    try:
+        import deepspeed
+    except ImportError as exc:
+        raise ImportError(
+            "mps_fused_adam.deepspeed.install() needs DeepSpeed, which is not importable "
+            f"({exc}). Install it without JIT-building anything, keeping your torch: "
+            f"DS_BUILD_OPS=0 pip install --no-build-isolation \"deepspeed=={TESTED_DEEPSPEED}\"") from exc
+    found = getattr(deepspeed, "__version__", "unknown")
+    if _version_tuple(found) < _version_tuple(MIN_DEEPSPEED):
+        raise RuntimeError(f"mps_fused_adam.deepspeed.install() needs DeepSpeed >= {MIN_DEEPSPEED} "
+                           f"(tested with {TESTED_DEEPSPEED}); found {found} at {deepspeed.__file__}")
+    return deepspeed
+
+
+def _mps_available() -> bool:
+    import torch
+    mps = getattr(torch.backends, "mps", None)
+    return bool(mps is not None and mps.is_available())
+
+
+def _wrap_set_accelerator(redirect) -> None:
+    """Accelerators set after install() (by the user or a launcher) get the same redirection."""
+    import deepspeed.accelerator as ds_accel
+    import deepspeed.accelerator.real_accelerator as real
+    from .builders import patch_accelerator, rebind_names, refresh_compatibility
+
+    original = real.set_accelerator
+    if getattr(original, "_mps_fused_adam", False):
+        return
+
+    def set_accelerator(accel_obj):
+        original(accel_obj)
+        if accel_obj is not None:
+            patch_accelerator(accel_obj, _state["redirect"])
+            rebind_names(accel_obj)
+            refresh_compatibility(accel_obj)
+
+    set_accelerator._mps_fused_adam = True
+    set_accelerator.__wrapped__ = original
+    set_accelerator.__doc__ = original.__doc__
+    real.set_accelerator = set_accelerator
+    ds_accel.set_accelerator = set_accelerator
+
+
+def install(block_jit: bool = True, use_mps: bool | None = None) -> Dict[str, Any]:
+    """Make DeepSpeed run this package's Adam kernels. Idempotent; safe before or after ``import deepspeed``.
+
+    Args:
+        block_jit: report every DeepSpeed op this package ships no kernel for (and that the
+            DeepSpeed installation did not prebuild) as unavailable, so DeepSpeed takes its
+            fallback paths instead of JIT-compiling (for example its CPU communication backend's
+            ``deepspeed_shm_comm`` op, built during ``deepspeed.initialize``). ``False`` leaves
+            those ops to DeepSpeed (a compiler and ninja are then needed if they are used).
+        use_mps: select the MPS accelerator. ``None`` (default): when MPS is available, unless the
+            ``DS_ACCELERATOR`` environment variable names another accelerator.
+
+    Returns:
+        what is active: DeepSpeed's version, the accelerator's name, which builder names now load
+        our kernels, and the bound names that were rebound.
+
+    Raises:
+        ImportError: DeepSpeed is not installed. RuntimeError: it is older than ``MIN_DEEPSPEED``.
+    """
+    deepspeed = _import_deepspeed()
+    from deepspeed.accelerator import get_accelerator, set_accelerator  # noqa: F401
+
+    from .builders import OUR_OPS, Redirect, patch_accelerator, rebind_names, refresh_compatibility
+
+    with _lock:
+        redirect = _state.get("redirect")
+        if redirect is None or redirect.block_jit != block_jit:
+            redirect = _state["redirect"] = Redirect(block_jit)
+        _wrap_set_accelerator(redirect)
+
+        if use_mps is None:
+            use_mps = _mps_available() and os.environ.get("DS_ACCELERATOR", "mps") == "mps"
+        current = get_accelerator()
+        if use_mps and getattr(current, "mps_fused_adam_complete_base", None) is None:
+            from .accelerator import mps_accelerator
+            import deepspeed.accelerator.real_accelerator as real
+            real.set_accelerator(mps_accelerator())  # the wrapped one: patches it too
+        accel = get_accelerator()
+        patch_accelerator(accel, redirect)
+        rebound = rebind_names(accel)
+        refresh_compatibility(accel)
+        _state["report"] = report = {
+            "deepspeed": deepspeed.__version__,
+            "accelerator": accel._name,
+            "ours": sorted(OUR_OPS),
+            "block_jit": block_jit,
+            "rebound": sorted(set(_state.get("report", {}).get("rebound", [])) | set(rebound)),
+        }
+        return dict(report)
+
+
+def installed() -> bool:
+    """Whether :func:`install` has run in this process."""
+    return "report" in _state
