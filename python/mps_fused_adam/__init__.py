@@ -1,0 +1,7 @@
+"""Prebuilt fused Adam for PyTorch and DeepSpeed: a Metal kernel for Apple Silicon (MPS) and a
+SIMD C++ CPU Adam, with no compiler or JIT build on the user's machine."""
+from ._version import __version__
+from .backends import backend_info
+from .optim import Adam, AdamW, CPUAdam, FusedAdam
+
+__all__ = ["Adam", "AdamW", "CPUAdam", "FusedAdam", "backend_info", "__version__"]

@@ -1,0 +1,220 @@
+"""The optimizer classes: ``FusedAdam`` (DeepSpeed's signature), ``Adam``/``AdamW`` (torch's) and
+``CPUAdam`` (DeepSpeed's ``DeepSpeedCPUAdam``), all over one step function.
+
+A step gathers every group's tensors, validates all of them, and only then creates missing state
+and hands one call per (device, dtypes, step count) to the backend of that device.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from . import validate
+from .backends import get_backend
+from .contract import AdamHyper
+
+_Params = Iterable[Any]
+
+
+class _AdamBase(torch.optim.Optimizer):
+    """Shared machinery. Group keys: lr, betas, eps, weight_decay, adam_w_mode, bias_correction, maximize."""
+
+    # A subclass restricted to one device type (CPUAdam) sets this.
+    _device_type: Optional[str] = None
+
+    def __init__(self, params: _Params, defaults: dict[str, Any]) -> None:
+        validate.check_hyperparameters(defaults["lr"], defaults["betas"], defaults["eps"], defaults["weight_decay"])
+        super().__init__(params, defaults)
+
+    # The dtype the moment estimates are kept in; Adam/AdamW/FusedAdam follow torch (the param's).
+    def _state_dtype(self, p: torch.Tensor) -> torch.dtype:
+        return p.dtype
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        # A state dict from torch.optim lacks our group keys: take them from our defaults.
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of ours or of ``torch.optim.Adam``/``AdamW``.
+
+        torch casts loaded moments to the parameter's dtype; we re-take them from the saved
+        tensors in this optimizer's state dtype (fp32 states of bf16 params stay exact), and keep
+        ``step`` as a Python int.
+        """
+        super().load_state_dict(state_dict)
+        saved_state = state_dict["state"]
+        for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
+            for key, p in zip(saved_group["params"], group["params"]):
+                saved = saved_state.get(key)
+                if saved is None:
+                    continue
+                st = self.state[p]
+                for name in ("exp_avg", "exp_avg_sq"):
+                    if isinstance(saved.get(name), torch.Tensor):
+                        st[name] = saved[name].to(device=p.device, dtype=self._state_dtype(p),
+                                                  memory_format=torch.preserve_format, copy=True)
+                if "step" in saved:
+                    st["step"] = int(saved["step"])
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        # Pass 1: validate everything; nothing is written until the whole step is known good.
+        plans = []
+        for gi, group in enumerate(self.param_groups):
+            validate.check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"],
+                                           where=f"param_groups[{gi}]")
+            names = group.get("param_names")
+            todo = []
+            for pi, p in enumerate(group["params"]):
+                g = p.grad
+                if g is None or p.numel() == 0:
+                    continue
+                name = names[pi] if names else f"param_groups[{gi}]['params'][{pi}]"
+                validate.check_param(p, g, name, self._device_type)
+                st = self.state.get(p)
+                if st:
+                    validate.check_state(p, st, name, self._state_dtype(p))
+                todo.append((p, g, st))
+            plans.append((group, todo))
+
+        # Pass 2: create missing state, bucket by what a kernel call must share, run.
+        for group, todo in plans:
+            buckets: dict[tuple, list] = {}
+            for p, g, st in todo:
+                if not st:
+                    st = self.state[p]
+                    sd = self._state_dtype(p)
+                    st["step"] = 0
+                    st["exp_avg"] = torch.zeros_like(p, dtype=sd, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, dtype=sd, memory_format=torch.preserve_format)
+                step = st["step"] = int(st["step"]) + 1
+                key = (p.device, p.dtype, st["exp_avg"].dtype, step)
+                bucket = buckets.get(key)
+                if bucket is None:
+                    bucket = buckets[key] = ([], [], [], [])
+                bucket[0].append(p)
+                bucket[1].append(g)
+                bucket[2].append(st["exp_avg"])
+                bucket[3].append(st["exp_avg_sq"])
+            beta1, beta2 = group["betas"]
+            for (device, _, _, step), lists in buckets.items():
+                hp = AdamHyper(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                               weight_decay=float(group["weight_decay"]), step=step,
+                               adam_w_mode=bool(group["adam_w_mode"]), bias_correction=bool(group["bias_correction"]),
+                               maximize=bool(group["maximize"]))
+                _run(get_backend(device), lists, hp)
+        return loss
+
+
+def _run(backend, lists: tuple[list, list, list, list], hp: AdamHyper) -> None:
+    """Hand contiguous tensors to the backend; non-contiguous ones go through contiguous copies
+    that are written back, so their update is never lost (DeepSpeed's CPU Adam loses it)."""
+    if all(t.is_contiguous() for tensors in lists for t in tensors):
+        backend.update(*lists, hp)
+        return
+    staged = [[t.contiguous() for t in tensors] for tensors in lists]
+    backend.update(*staged, hp)
+    for originals, copies in ((lists[0], staged[0]), (lists[2], staged[2]), (lists[3], staged[3])):
+        for orig, copy in zip(originals, copies):
+            if copy is not orig:
+                orig.copy_(copy)
+
+
+def _reject(option: str, value: Any, cls: str) -> None:
+    raise ValueError(f"{cls} does not support {option}={value!r}; mps_fused_adam implements plain Adam "
+                     f"(use torch.optim.{cls} for {option})")
+
+
+class Adam(_AdamBase):
+    """Drop-in for ``torch.optim.Adam``: same arguments and defaults, L2 weight decay unless
+    ``decoupled_weight_decay=True``. ``foreach`` and ``fused`` are accepted and ignored (this is
+    always fused); ``amsgrad``, ``capturable`` and ``differentiable`` are rejected."""
+
+    _name = "Adam"
+
+    def __init__(self, params: _Params, lr: float | torch.Tensor = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0,
+                 amsgrad: bool = False, *, foreach: Optional[bool] = None, maximize: bool = False,
+                 capturable: bool = False, differentiable: bool = False, fused: Optional[bool] = None,
+                 decoupled_weight_decay: bool = False) -> None:
+        self._check_unsupported(amsgrad, capturable, differentiable)
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      adam_w_mode=decoupled_weight_decay, bias_correction=True,
+                                      maximize=maximize))
+
+    def _check_unsupported(self, amsgrad: bool, capturable: bool, differentiable: bool) -> None:
+        for option, value in (("amsgrad", amsgrad), ("capturable", capturable), ("differentiable", differentiable)):
+            if value:
+                _reject(option, value, self._name)
+
+
+class AdamW(Adam):
+    """Drop-in for ``torch.optim.AdamW`` (decoupled weight decay, default 1e-2)."""
+
+    _name = "AdamW"
+
+    def __init__(self, params: _Params, lr: float | torch.Tensor = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+                 amsgrad: bool = False, *, maximize: bool = False, foreach: Optional[bool] = None,
+                 capturable: bool = False, differentiable: bool = False, fused: Optional[bool] = None) -> None:
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                         maximize=maximize, capturable=capturable, differentiable=differentiable,
+                         decoupled_weight_decay=True)
+
+
+class FusedAdam(_AdamBase):
+    """DeepSpeed's ``FusedAdam`` signature, on any device: Metal on MPS, the C++ kernel on CPU,
+    torch's fused kernel or the fp32 foreach tier elsewhere. States are kept in the param dtype."""
+
+    def __init__(self, params: _Params, lr: float = 1e-3, bias_correction: bool = True,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
+                 weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True) -> None:
+        if amsgrad:
+            raise ValueError("FusedAdam does not support the AMSGrad variant (amsgrad=True)")
+        self.set_grad_none = set_grad_none
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      adam_w_mode=adam_w_mode, bias_correction=bias_correction, maximize=False))
+
+    def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
+        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
+
+    def step(self, closure: Optional[Callable[[], Any]] = None, grads: Any = None, output_params: Any = None,
+             scale: Any = None, grad_norms: Any = None, grad_scaler: Any = None) -> Any:
+        """One step. DeepSpeed's legacy arguments (``grads``, ``output_params``, ``scale``,
+        ``grad_norms``, ``grad_scaler``) are rejected, as DeepSpeed's FusedAdam does."""
+        if any(a is not None for a in (grads, output_params, scale, grad_norms, grad_scaler)):
+            raise RuntimeError("FusedAdam has been updated; simply initialize it identically to torch.optim.Adam "
+                               "and call step() with no arguments except an optional closure")
+        return super().step(closure)
+
+
+class CPUAdam(_AdamBase):
+    """DeepSpeed's ``DeepSpeedCPUAdam`` signature on the prebuilt C++ kernel: CPU tensors only.
+
+    With ``fp32_optimizer_states=True`` (default) the moments are fp32 whatever the param dtype;
+    otherwise they are kept in the param dtype.
+    """
+
+    _device_type = "cpu"
+
+    def __init__(self, model_params: _Params, lr: float = 1e-3, bias_correction: bool = True,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0,
+                 amsgrad: bool = False, adamw_mode: bool = True, fp32_optimizer_states: bool = True) -> None:
+        if amsgrad:
+            raise ValueError("CPUAdam does not support the AMSGrad variant (amsgrad=True)")
+        self.fp32_optimizer_states = fp32_optimizer_states
+        super().__init__(model_params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                            adam_w_mode=adamw_mode, bias_correction=bias_correction, maximize=False))
+
+    def _state_dtype(self, p: torch.Tensor) -> torch.dtype:
+        return torch.float32 if self.fp32_optimizer_states else p.dtype

@@ -1,0 +1,69 @@
+"""Checks run on a whole step before any tensor is written, so a rejected step changes nothing."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from .backends import SUPPORTED_DTYPES
+
+_SUPPORTED_NAMES = "float32, float16 or bfloat16"
+
+
+def check_hyperparameters(lr: Any, betas: Any, eps: Any, weight_decay: Any, where: str = "") -> None:
+    """The checks of ``torch.optim.AdamW``, with the same messages, plus the group they concern."""
+    suffix = f" (in {where})" if where else ""
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError(f"Tensor lr must be 1-element{suffix}")
+    if not 0.0 <= float(lr):
+        raise ValueError(f"Invalid learning rate: {float(lr)}{suffix}")
+    if not 0.0 <= float(eps):
+        raise ValueError(f"Invalid epsilon value: {float(eps)}{suffix}")
+    try:
+        beta1, beta2 = betas
+    except (TypeError, ValueError):
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}{suffix}") from None
+    if not 0.0 <= float(beta1) < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {float(beta1)}{suffix}")
+    if not 0.0 <= float(beta2) < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {float(beta2)}{suffix}")
+    if not 0.0 <= float(weight_decay):
+        raise ValueError(f"Invalid weight_decay value: {float(weight_decay)}{suffix}")
+
+
+def describe(p: torch.Tensor, name: str) -> str:
+    return f"{name} (shape {tuple(p.shape)}, {str(p.dtype).replace('torch.', '')}, {p.device})"
+
+
+def check_param(p: torch.Tensor, g: torch.Tensor, name: str, device_type: str | None) -> None:
+    """Raise a ValueError naming the parameter, what was expected and what was found."""
+    # One cheap test first: the per-step cost of 1,000 tensors must stay small.
+    if (p.dtype in SUPPORTED_DTYPES and g.dtype is p.dtype and g.layout is torch.strided
+            and g.device == p.device and g.shape == p.shape
+            and (device_type is None or p.device.type == device_type)):
+        return
+    who = describe(p, name)
+    if p.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{who}: dtype {p.dtype} is not supported; expected {_SUPPORTED_NAMES}")
+    if device_type is not None and p.device.type != device_type:
+        raise ValueError(f"{who}: expected a {device_type} tensor, found one on {p.device}")
+    if g.layout is not torch.strided:
+        raise ValueError(f"{who}: sparse gradients are not supported (grad layout {g.layout}); "
+                         "expected a dense gradient")
+    if g.dtype is not p.dtype:
+        raise ValueError(f"{who}: grad dtype {g.dtype} does not match; expected {p.dtype}")
+    if g.device != p.device:
+        raise ValueError(f"{who}: grad is on {g.device}; expected {p.device}")
+    raise ValueError(f"{who}: grad shape {tuple(g.shape)} does not match; expected {tuple(p.shape)}")
+
+
+def check_state(p: torch.Tensor, state: Mapping[str, Any], name: str, state_dtype: torch.dtype) -> None:
+    """Existing optimizer state (perhaps loaded from a checkpoint) must fit its parameter."""
+    for key in ("exp_avg", "exp_avg_sq"):
+        t = state.get(key)
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{describe(p, name)}: optimizer state '{key}' is missing or not a tensor "
+                             f"(found {type(t).__name__})")
+        if t.shape != p.shape or t.device != p.device or t.dtype is not state_dtype:
+            raise ValueError(f"{describe(p, name)}: optimizer state '{key}' is {describe(t, key)}; expected "
+                             f"shape {tuple(p.shape)}, {str(state_dtype).replace('torch.', '')}, {p.device}")

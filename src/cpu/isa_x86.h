@@ -1,0 +1,63 @@
+// x86 vector layers: AVX2 (+F16C) and AVX-512F. Compiled only in the TUs built with those flags.
+#pragma once
+
+// (included by adam_<isa>.cpp inside its namespace, after the system headers)
+
+#if defined(MFA_ISA_AVX2)
+struct Vec {
+  static constexpr int W = 8;
+  using F = __m256;
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static F sqrt(F x) { return _mm256_sqrt_ps(x); }
+  static F neg(F x) { return _mm256_xor_ps(x, _mm256_set1_ps(-0.0f)); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
+  static F load(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static void store(f16* p, F x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static F load(const bf16* p) {
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+  static void store(bf16* p, F x) {
+    // Round to nearest even on the bits (as torch does); any NaN becomes torch's 0x7FC0.
+    __m256i u = _mm256_castps_si256(x);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+  }
+};
+#elif defined(MFA_ISA_AVX512)
+struct Vec {
+  static constexpr int W = 16;
+  using F = __m512;
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F sqrt(F x) { return _mm512_sqrt_ps(x); }
+  static F neg(F x) {
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN)));
+  }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
+  static F load(const f16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static void store(f16* p, F x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static F load(const bf16* p) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+  static void store(bf16* p, F x) {
+    // Integer rounding rather than vcvtneps2bf16, which flushes denormals and would break parity.
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  }
+};
+#endif
