@@ -1,0 +1,187 @@
+"""Backends for MPS tensors: tiers 1 to 3 of DESIGN.md section 3, all running metal/fused_adam.metal.
+
+1. ``_metal`` (Objective-C++ extension): one compute encoder per group on PyTorch's command buffer.
+2. ``torch.mps.load_metallib`` on the bundled ``fused_adam.metallib``: the same kernels, one
+   Python-level dispatch per tensor (and per 2^32-element chunk).
+3. ``torch.mps.compile_shader`` on the bundled ``metal/fused_adam.metal`` source.
+(4, the foreach tier, is ``backends.ForeachBackend``; ``backends`` falls back to it.)
+
+The device-specific pieces are parameters of :func:`mps_tiers` so the tests can drive this exact
+code on CPU tensors through stand-ins built from the same kernel source (tests/emulated_mps.py):
+``load_ext`` (imports ``_metal``), ``mps_api`` (the object with ``load_metallib`` and
+``compile_shader``, normally ``torch.mps``) and ``package_dir`` (where the bundled files are).
+
+Kernel interface (see the header comment of metal/fused_adam.metal): buffers 0-3 are param, grad,
+exp_avg, exp_avg_sq; buffer 4 the :class:`~.contract.KernelScalars` packed as 9 floats and 2 uint32;
+buffer 5 ``base`` and buffer 6 ``n`` (64-bit); each thread handles 4 elements from
+``base + 4 * thread``. A dispatch covers at most ``MAX_THREADS_PER_DISPATCH`` threads.
+"""
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .contract import AdamHyper, kernel_scalars
+
+ELEMS_PER_THREAD = 4
+# 2^30 threads cover 2^32 elements: thread_position_in_grid is a 32-bit uint, and keeping each
+# dispatch's threads * 4 below 2^32 keeps every 32-bit quantity in range on the device.
+MAX_THREADS_PER_DISPATCH = 1 << 30
+THREADGROUP_SIZE = 256
+
+METALLIB_NAME = "fused_adam.metallib"
+METAL_SOURCE_NAME = "fused_adam.metal"
+
+# Storage dtype names as the kernels' host names spell them, and the codes _metal takes
+# (the same codes as backends._DTYPE_CODES / the _cpu extension).
+_DTYPE_NAMES = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat"}
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+# (param dtype, state dtype) -> kernel host name; states are fp32 or the param dtype.
+KERNELS = {
+    (p, s): f"fused_adam_{_DTYPE_NAMES[p]}_{_DTYPE_NAMES[s]}"
+    for p in _DTYPE_NAMES for s in (torch.float32, p)
+}
+
+
+def kernel_name(param_dtype: torch.dtype, state_dtype: torch.dtype) -> str:
+    return KERNELS[(param_dtype, state_dtype)]
+
+
+def pack_params(hp: AdamHyper) -> bytes:
+    """The kernels' ``AdamParams`` struct: 44 bytes, little-endian as on every Apple GPU."""
+    return struct.pack("<9f2I", *kernel_scalars(hp))
+
+
+def params_as_words(packed: bytes) -> list[int]:
+    """``packed`` as the int64 list torch's ShaderLibrary call turns into the same bytes.
+
+    torch binds a list of Python ints as an array of int64 with setBytes, so six little-endian
+    words reproduce the 44-byte struct (plus 4 bytes of padding the kernel never reads), exactly,
+    with no float round trip and no dependence on the ``arg_casts`` option.
+    """
+    padded = packed + b"\0" * (-len(packed) % 8)
+    return list(struct.unpack(f"<{len(padded) // 8}q", padded))
+
+
+def dispatch_plan(numel: int, max_threads: int = MAX_THREADS_PER_DISPATCH) -> list[tuple[int, int]]:
+    """``(base, threads)`` of each dispatch that covers a tensor of ``numel`` elements."""
+    plan = []
+    step = max_threads * ELEMS_PER_THREAD
+    for base in range(0, numel, step):
+        count = min(step, numel - base)
+        plan.append((base, -(-count // ELEMS_PER_THREAD)))
+    return plan
+
+
+def mps_buffer(t: torch.Tensor) -> tuple[int, int, int]:
+    """``(MTLBuffer handle, byte offset, numel)``: for an MPS tensor the storage's data pointer is
+    its ``id<MTLBuffer>`` (DESIGN.md section 4); on a CPU tensor the same expression gives the host
+    address, which is what the emulated ``_metal`` of the tests uses."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset() * t.element_size(), t.numel())
+
+
+def _package_dir() -> Path:
+    return Path(__file__).resolve().parent
+
+
+def find_metal_source(package_dir: Path) -> Path:
+    """The bundled ``.metal`` source: in the installed package, else in a source checkout."""
+    candidates = [package_dir / "metal" / METAL_SOURCE_NAME,
+                  package_dir.parent.parent / "metal" / METAL_SOURCE_NAME]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"no {METAL_SOURCE_NAME} in {' or '.join(str(c.parent) for c in candidates)}")
+
+
+class MetalExtBackend:
+    """Tier 1: the ``_metal`` extension; one call per group, one encoder, no host sync."""
+
+    name = "metal"
+
+    def __init__(self, ext: Any, metallib: Path, buffer_of: Callable = mps_buffer) -> None:
+        if not metallib.is_file():
+            raise FileNotFoundError(f"bundled metallib missing: {metallib}")
+        ext.load(str(metallib))  # raises with Metal's own error text if the library is unusable
+        self._ext = ext
+        self._buffer_of = buffer_of
+
+    def update(self, params, grads, exp_avgs, exp_avg_sqs, hp: AdamHyper) -> None:
+        b = self._buffer_of
+        self._ext.adam_step(
+            [b(t) for t in params], [b(t) for t in grads],
+            [b(t) for t in exp_avgs], [b(t) for t in exp_avg_sqs],
+            DTYPE_CODES[params[0].dtype], DTYPE_CODES[exp_avgs[0].dtype], pack_params(hp))
+
+
+class ShaderLibraryBackend:
+    """Tiers 2 and 3: a torch ShaderLibrary (``load_metallib`` / ``compile_shader``) of our kernels.
+
+    torch's kernel call binds positional arguments to buffer indices in order: tensors with their
+    storage offset, Python ints as int64 and lists of ints as int64 arrays (torch/csrc/mps/Module.cpp).
+    """
+
+    def __init__(self, name: str, library: Any, max_threads: int = MAX_THREADS_PER_DISPATCH) -> None:
+        available = set(dir(library))
+        missing = sorted(set(KERNELS.values()) - available)
+        if missing:
+            raise RuntimeError(f"library lacks kernels {missing}")
+        self.name = name
+        self._lib = library
+        self._fns: dict[tuple[torch.dtype, torch.dtype], Any] = {}
+        self._max_threads = max_threads
+
+    def _kernel(self, key: tuple[torch.dtype, torch.dtype]) -> tuple[Any, int]:
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = self._fns[key] = getattr(self._lib, KERNELS[key])
+        return fn, min(THREADGROUP_SIZE, int(fn.max_threads_per_threadgroup))
+
+    def update(self, params, grads, exp_avgs, exp_avg_sqs, hp: AdamHyper) -> None:
+        fn, group = self._kernel((params[0].dtype, exp_avgs[0].dtype))
+        words = params_as_words(pack_params(hp))
+        for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+            n = p.numel()
+            for base, threads in dispatch_plan(n, self._max_threads):
+                fn(p, g, m, v, words, base, n, threads=threads, group_size=min(group, threads))
+
+
+def mps_tiers(*, load_ext: Callable[[], Any] | None = None, mps_api: Any = None,
+              package_dir: Path | None = None,
+              buffer_of: Callable = mps_buffer) -> list[tuple[str, Callable[[], Any]]]:
+    """Tiers 1-3 as ``(label, factory)`` in preference order; each factory raises why it can't load."""
+    pkg = package_dir if package_dir is not None else _package_dir()
+
+    def api() -> Any:
+        return mps_api if mps_api is not None else torch.mps
+
+    def import_ext() -> Any:
+        from . import _metal  # ImportError: not built (non-Apple wheel) or not loadable
+        return _metal
+
+    def tier1() -> MetalExtBackend:
+        ext = (load_ext or import_ext)()
+        return MetalExtBackend(ext, pkg / METALLIB_NAME, buffer_of)
+
+    def tier2() -> ShaderLibraryBackend:
+        load = getattr(api(), "load_metallib", None)
+        if load is None:
+            raise RuntimeError(f"torch {torch.__version__} has no torch.mps.load_metallib")
+        path = pkg / METALLIB_NAME
+        if not path.is_file():
+            raise FileNotFoundError(f"bundled metallib missing: {path}")
+        return ShaderLibraryBackend("load_metallib", load(path))
+
+    def tier3() -> ShaderLibraryBackend:
+        compile_shader = getattr(api(), "compile_shader", None)
+        if compile_shader is None:
+            raise RuntimeError(f"torch {torch.__version__} has no torch.mps.compile_shader")
+        source = find_metal_source(pkg).read_text(encoding="utf-8")
+        return ShaderLibraryBackend("compile_shader", compile_shader(source))
+
+    return [("_metal extension", tier1), ("torch.mps.load_metallib", tier2),
+            ("torch.mps.compile_shader", tier3)]

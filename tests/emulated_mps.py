@@ -1,0 +1,241 @@
+"""Stand-ins for the Apple-only pieces, built from the shipped kernel source.
+
+- :func:`build_emulator` compiles ``metal/fused_adam.metal`` as C++ (through ``metal_compat.h``)
+  together with ``metal_emulator.cpp`` and loads it with ctypes: :class:`Emulator`.
+- :class:`FakeMetalExt` has the call surface of the ``_metal`` extension (src/metal/metal_adam.mm):
+  ``load(path)`` and ``adam_step(params, grads, exp_avgs, exp_avg_sqs, param_code, state_code,
+  hyper_bytes)`` with ``(buffer handle, byte offset, numel)`` triples; on CPU tensors the handle is
+  the host address, so it runs the emulator where the real one encodes a Metal dispatch.
+- :class:`FakeMpsApi` has ``load_metallib`` and ``compile_shader`` returning a :class:`FakeLibrary`
+  whose kernels bind positional arguments the way torch's ``_mps_MetalKernel.__call__`` does
+  (torch/csrc/mps/Module.cpp: tensor -> buffer at its storage offset, int -> int64, float -> fp32,
+  list of ints -> int64 array; keyword ``threads``/``group_size``). ``compile_shader`` compiles the
+  text it is handed, so tier 3 runs exactly the source it read.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import struct
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO = TESTS_DIR.parent
+METAL_SOURCE = REPO / "metal" / "fused_adam.metal"
+CXXFLAGS = ["-std=c++17", "-ffp-contract=off", "-fno-strict-aliasing", "-fPIC", "-Wall", "-Wextra"]
+
+_DTYPE_BY_NAME = {"float": torch.float32, "half": torch.float16, "bfloat": torch.bfloat16}
+_NAME_BY_CODE = {0: "float", 1: "half", 2: "bfloat"}  # the _metal extension's dtype codes
+
+
+def find_compiler() -> str:
+    for cxx in (os.environ.get("CXX"), "g++", "c++"):
+        if cxx and shutil.which(cxx):
+            return cxx
+    raise RuntimeError("no C++ compiler (g++/c++) on PATH: the host emulator tests need one")
+
+
+def host_names(source: str) -> list[str]:
+    """Kernel host names instantiated in a .metal source, as a Metal compiler would export them."""
+    return re.findall(r'^\s*FUSED_ADAM_INSTANTIATE\("([A-Za-z0-9_]+)"', source, flags=re.M)
+
+
+def compile_emulator(source_text: str, out_dir: Path, coverage: bool = False) -> Path:
+    """Compile the emulator around ``source_text`` (a .metal source) into ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "fused_adam.metal").write_text(source_text, encoding="utf-8")
+    cxx = find_compiler()
+    flags = CXXFLAGS + (["-O0", "--coverage", "-DEMU_COVERAGE"] if coverage else ["-O2"])
+    inc = [f"-I{out_dir}", f"-I{TESTS_DIR}"]
+    obj = out_dir / "metal_emulator.o"
+    lib = out_dir / "metal_emulator.so"
+    for cmd in ([cxx, *flags, *inc, "-c", str(TESTS_DIR / "metal_emulator.cpp"), "-o", str(obj)],
+                [cxx, *flags, "-shared", str(obj), "-o", str(lib)]):
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=out_dir)
+        if proc.returncode != 0:
+            raise RuntimeError(f"emulator build failed: {' '.join(cmd)}\n{proc.stderr}")
+    return lib
+
+
+class Emulator:
+    def __init__(self, lib_path: Path, source_text: str) -> None:
+        self.path = lib_path
+        self.source = source_text
+        lib = self.lib = ctypes.CDLL(str(lib_path))
+        lib.emu_params_size.restype = ctypes.c_uint64
+        lib.emu_kernel_count.restype = ctypes.c_int
+        lib.emu_kernel_name.restype = ctypes.c_char_p
+        lib.emu_kernel_name.argtypes = [ctypes.c_int]
+        u64, vp = ctypes.c_uint64, ctypes.c_void_p
+        lib.emu_dispatch.restype = ctypes.c_int
+        lib.emu_dispatch.argtypes = [ctypes.c_char_p, vp, vp, vp, vp, ctypes.c_char_p, u64, u64, u64,
+                                     u64, u64, ctypes.c_int]
+        for fn in (lib.emu_round_half, lib.emu_round_bfloat):
+            fn.argtypes = [vp, vp, u64]
+        self.params_size = int(lib.emu_params_size())
+        self.kernel_names = [lib.emu_kernel_name(k).decode() for k in range(lib.emu_kernel_count())]
+        self.dispatches: list[dict] = []  # every dispatch, for the tests to inspect
+
+    def dispatch(self, name: str, addrs: tuple[int, int, int, int], hyper: bytes, base: int, n: int,
+                 threads: int, group: int, reverse: bool = False) -> None:
+        self.dispatches.append(dict(name=name, base=base, n=n, threads=threads, group=group,
+                                    hyper=bytes(hyper), addrs=addrs))
+        rc = self.lib.emu_dispatch(name.encode(), *addrs, bytes(hyper), len(hyper), base, n,
+                                   threads, group, int(reverse))
+        if rc != 0:
+            raise RuntimeError(f"emulated dispatch of {name} refused (code {rc})")
+
+    def run_tensors(self, p, g, m, v, hyper: bytes, *, base: int = 0, threads: int | None = None,
+                    group: int = 256, reverse: bool = False, n: int | None = None) -> None:
+        """One dispatch over CPU tensors with the kernel their dtypes select."""
+        name = f"fused_adam_{_short(p.dtype)}_{_short(m.dtype)}"
+        n = p.numel() if n is None else n
+        if threads is None:
+            threads = -(-(n - base) // 4)
+        self.dispatch(name, (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr()), hyper, base, n,
+                      threads, group, reverse)
+
+
+def _short(dtype: torch.dtype) -> str:
+    return {v: k for k, v in _DTYPE_BY_NAME.items()}[dtype]
+
+
+_cache: dict[str, Emulator] = {}
+_tmp_root: list[Path] = []
+
+
+def build_emulator(source_text: str | None = None) -> Emulator:
+    """The emulator for ``source_text`` (default: the shipped .metal file), built once per process."""
+    text = METAL_SOURCE.read_text(encoding="utf-8") if source_text is None else source_text
+    key = hashlib.sha256(text.encode()).hexdigest()
+    if key not in _cache:
+        if not _tmp_root:
+            _tmp_root.append(Path(tempfile.mkdtemp(prefix="mfa-emulator-")))
+        lib = compile_emulator(text, _tmp_root[0] / key[:16])
+        _cache[key] = Emulator(lib, text)
+    return _cache[key]
+
+
+class FakeMetalExt:
+    """The ``_metal`` extension's Python surface, dispatching through the emulator.
+
+    Mirrors metal_adam.mm: dtype codes pick ``fused_adam_<P>_<S>``, each tensor is split into
+    dispatches of at most ``max_threads`` threads by advancing ``base``, threadgroups of 256.
+    """
+
+    def __init__(self, emulator: Emulator, max_threads: int = 1 << 30) -> None:
+        self.emu = emulator
+        self.max_threads = max_threads
+        self.loaded: list[str] = []
+        self.calls: list[tuple] = []
+
+    def load(self, path: str) -> None:
+        if not Path(path).is_file():
+            raise RuntimeError(f"cannot load metallib {path}")
+        self.loaded.append(path)
+
+    def adam_step(self, params, grads, exp_avgs, exp_avg_sqs, param_code: int, state_code: int,
+                  hyper: bytes) -> None:
+        self.calls.append((params, grads, exp_avgs, exp_avg_sqs, param_code, state_code, hyper))
+        if len(hyper) != self.emu.params_size:
+            raise ValueError(f"hyper is {len(hyper)} bytes, AdamParams is {self.emu.params_size}")
+        name = f"fused_adam_{_NAME_BY_CODE[param_code]}_{_NAME_BY_CODE[state_code]}"
+        for quad in zip(params, grads, exp_avgs, exp_avg_sqs):
+            n = quad[0][2]
+            if any(t[2] != n for t in quad):
+                raise ValueError("tensor sizes differ within one parameter")
+            addrs = tuple(handle + offset for handle, offset, _ in quad)
+            step = self.max_threads * 4
+            for base in range(0, n, step):
+                threads = -(-min(step, n - base) // 4)
+                self.emu.dispatch(name, addrs, hyper, base, n, threads, min(256, threads))
+
+
+class FakeKernel:
+    """One kernel of a ShaderLibrary, binding arguments as torch's ``_mps_MetalKernel`` does."""
+
+    max_threads_per_threadgroup = 1024
+
+    def __init__(self, emulator: Emulator, name: str) -> None:
+        self.emu = emulator
+        self.name = name
+
+    def __call__(self, *args, threads=None, group_size=None, arg_casts=None, error_buf_idx=None):
+        if arg_casts is not None or error_buf_idx is not None:
+            raise NotImplementedError("the Adam kernels need neither arg_casts nor an error buffer")
+        bound: dict[int, object] = {}
+        for idx, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                bound[idx] = a.data_ptr()  # storage address + storage offset, as mtl_setBuffer
+                if threads is None:
+                    threads = a.numel()
+            elif isinstance(a, bool):
+                raise TypeError("bool argument")
+            elif isinstance(a, int):
+                bound[idx] = struct.pack("<q", a)
+            elif isinstance(a, float):
+                bound[idx] = struct.pack("<f", a)
+            elif isinstance(a, (list, tuple)) and a and all(isinstance(x, int) for x in a):
+                bound[idx] = struct.pack(f"<{len(a)}q", *a)
+            elif isinstance(a, (list, tuple)) and a and all(isinstance(x, float) for x in a):
+                bound[idx] = struct.pack(f"<{len(a)}f", *a)
+            else:
+                raise TypeError(f"Unsupported argument type {type(a).__name__}")
+        if threads is None:
+            raise RuntimeError("Number of threads is undefined or has wrong dimension")
+        threads = [threads] if isinstance(threads, int) else list(threads)
+        group = None if group_size is None else ([group_size] if isinstance(group_size, int) else list(group_size))
+        if group is not None and len(group) != len(threads):
+            raise RuntimeError("threads and group_size differ in dimension")
+        if len(threads) != 1 or sorted(bound) != list(range(7)):
+            raise RuntimeError(f"{self.name} takes 7 arguments over a 1-D grid")
+        if any(not isinstance(bound[i], int) for i in range(4)):
+            raise TypeError("buffers 0-3 must be tensors")
+        base_b, n_b = bound[5], bound[6]
+        if len(base_b) != 8 or len(n_b) != 8:
+            raise TypeError("base and n must be 64-bit (Python ints)")
+        # torch's dispatch without a group size uses the pipeline's maximum.
+        grp = group[0] if group is not None else self.max_threads_per_threadgroup
+        self.emu.dispatch(self.name, tuple(bound[i] for i in range(4)), bound[4],
+                          struct.unpack("<Q", base_b)[0], struct.unpack("<Q", n_b)[0], threads[0], grp)
+
+
+class FakeLibrary:
+    def __init__(self, emulator: Emulator) -> None:
+        self._emu = emulator
+        self._names = host_names(emulator.source)
+
+    def __dir__(self):
+        return list(self._names)
+
+    def __getattr__(self, name: str) -> FakeKernel:
+        if name.startswith("_") or name not in self._names:
+            raise AttributeError(f"Failed to create function state object for: {name}")
+        return FakeKernel(self._emu, name)
+
+
+class FakeMpsApi:
+    """``torch.mps`` as far as tiers 2 and 3 use it."""
+
+    def __init__(self, emulator: Emulator) -> None:
+        self.emu = emulator
+        self.compiled_sources: list[str] = []
+        self.loaded_paths: list[str] = []
+
+    def load_metallib(self, source) -> FakeLibrary:
+        path = Path(source)
+        if not path.is_file():
+            raise RuntimeError(f"Failed to load library from {path}")
+        self.loaded_paths.append(str(path))
+        return FakeLibrary(self.emu)
+
+    def compile_shader(self, source: str) -> FakeLibrary:
+        self.compiled_sources.append(source)
+        return FakeLibrary(build_emulator(source))
