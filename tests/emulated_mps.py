@@ -42,9 +42,15 @@ def find_compiler() -> str:
     raise RuntimeError("no C++ compiler (g++/c++) on PATH: the host emulator tests need one")
 
 
-def host_names(source: str) -> list[str]:
-    """Kernel host names instantiated in a .metal source, as a Metal compiler would export them."""
-    return re.findall(r'^\s*FUSED_ADAM_INSTANTIATE\("([A-Za-z0-9_]+)"', source, flags=re.M)
+def host_names(source: str, metal_version: int = 310) -> list[str]:
+    """Kernel host names a Metal compiler of ``metal_version`` exports from ``source``: the source
+    is preprocessed first, so instantiations under a false ``#if`` do not count."""
+    proc = subprocess.run(
+        [find_compiler(), "-E", "-P", "-x", "c++", f"-D__METAL_VERSION__={metal_version}",
+         "-DFUSED_ADAM_HOST_EMULATOR", "-"], input=source, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"preprocessing the kernel source failed:\n{proc.stderr}")
+    return re.findall(r'\[\[\s*host_name\(\s*"([A-Za-z0-9_]+)"\s*\)\s*\]\]', proc.stdout)
 
 
 def compile_emulator(source_text: str, out_dir: Path, coverage: bool = False) -> Path:

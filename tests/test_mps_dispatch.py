@@ -1,0 +1,266 @@
+"""The Python dispatch of MPS tiers 1-3 (mps_backends.py), end to end on CPU tensors.
+
+The stand-ins of tests/emulated_mps.py take the place of the ``_metal`` extension and of torch's
+ShaderLibrary and run the shipped kernel source through the host emulator, so argument packing,
+grid sizes, kernel choice and fallbacks are exercised with the real dispatch code and real numbers.
+"""
+from __future__ import annotations
+
+import inspect
+import shutil
+import struct
+import warnings
+
+import pytest
+import torch
+
+from emulated_mps import METAL_SOURCE, FakeMetalExt, FakeMpsApi, build_emulator
+from mps_fused_adam import backends
+from mps_fused_adam.contract import AdamHyper, kernel_scalars
+from mps_fused_adam.mps_backends import (KERNELS, MAX_THREADS_PER_DISPATCH, METALLIB_NAME,
+                                         ShaderLibraryBackend, dispatch_plan, find_metal_source,
+                                         mps_tiers, pack_params, params_as_words)
+from mps_fused_adam.reference import reference_adam_
+
+PAIRS = list(KERNELS)
+PAIR_IDS = [KERNELS[p].removeprefix("fused_adam_") for p in PAIRS]
+
+
+@pytest.fixture(scope="session")
+def emu():
+    return build_emulator()
+
+
+@pytest.fixture
+def pkg(tmp_path):
+    """A package directory laid out as the wheel installs it (the metallib is a placeholder:
+    the stand-in library runs the emulator built from the same source)."""
+    (tmp_path / METALLIB_NAME).write_bytes(b"MTLB placeholder")
+    (tmp_path / "metal").mkdir()
+    shutil.copy(METAL_SOURCE, tmp_path / "metal" / "fused_adam.metal")
+    return tmp_path
+
+
+def make_backend(tier: int, pkg, emu, **kw):
+    ext = kw.pop("ext", None) or FakeMetalExt(emu)
+    tiers = mps_tiers(load_ext=lambda: ext, mps_api=kw.pop("api", None) or FakeMpsApi(emu), package_dir=pkg)
+    return tiers[tier - 1][1]()
+
+
+def hyper(step, **kw):
+    base = dict(lr=3e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05, step=step)
+    base.update(kw)
+    return AdamHyper(**base)
+
+
+def group_tensors(pdtype, sdtype, sizes=(1, 5, 4097, 3, 64), seed=0):
+    """Params as views into one flat buffer at odd offsets (as DeepSpeed's flat groups are), so
+    storage offsets and unaligned starts are part of every test."""
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(sizes) + len(sizes)
+    flat = {k: torch.randn(total, generator=gen) for k in ("p", "g", "m", "v")}
+    flat = {"p": flat["p"].to(pdtype), "g": flat["g"].to(pdtype),
+            "m": (0.1 * flat["m"]).to(sdtype), "v": (0.01 * flat["v"].abs()).to(sdtype)}
+    out = {k: [] for k in flat}
+    off = 1
+    for n in sizes:
+        for k in flat:
+            out[k].append(flat[k][off:off + n])
+        off += n + 1
+    return out
+
+
+def clone_group(t):
+    return {k: [x.clone() for x in v] for k, v in t.items()}
+
+
+def bits_equal(a, b):
+    view = {4: torch.int32, 2: torch.int16}[a.element_size()]
+    return a.dtype == b.dtype and torch.equal(a.view(view), b.view(view))
+
+
+def run_steps(backend, t, steps=3, **mode):
+    for step in range(1, steps + 1):
+        backend.update(t["p"], t["g"], t["m"], t["v"], hyper(step, **mode))
+
+
+def run_reference(t, steps=3, **mode):
+    for step in range(1, steps + 1):
+        for p, g, m, v in zip(t["p"], t["g"], t["m"], t["v"]):
+            reference_adam_(p, g, m, v, hyper(step, **mode))
+
+
+@pytest.mark.parametrize("mode", [dict(adam_w_mode=True), dict(adam_w_mode=False, maximize=True),
+                                  dict(adam_w_mode=True, bias_correction=False)],
+                         ids=["adamw", "l2-max", "adamw-nobc"])
+@pytest.mark.parametrize("pair", PAIRS, ids=PAIR_IDS)
+def test_tiers_agree_bit_for_bit_with_reference(emu, pkg, pair, mode):
+    start = group_tensors(*pair, seed=hash(PAIR_IDS[PAIRS.index(pair)]) % 1000)
+    want = clone_group(start)
+    run_reference(want, **mode)
+    for tier in (1, 2, 3):
+        got = clone_group(start)
+        backend = make_backend(tier, pkg, emu)
+        run_steps(backend, got, **mode)
+        for k in want:
+            for a, b in zip(got[k], want[k]):
+                assert bits_equal(a, b), f"tier {tier} ({backend.name}) {k} differs"
+
+
+def test_tier1_arguments(emu, pkg):
+    ext = FakeMetalExt(emu)
+    backend = make_backend(1, pkg, emu, ext=ext)
+    assert backend.name == "metal" and ext.loaded == [str(pkg / METALLIB_NAME)]
+    t = group_tensors(torch.bfloat16, torch.float32)
+    hp = hyper(7, adam_w_mode=False, maximize=True)
+    backend.update(t["p"], t["g"], t["m"], t["v"], hp)
+    assert len(ext.calls) == 1  # one call per group
+    params, grads, ms, vs, pcode, scode, packed = ext.calls[0]
+    assert (pcode, scode) == (2, 0)
+    for triples, tensors in ((params, t["p"]), (grads, t["g"]), (ms, t["m"]), (vs, t["v"])):
+        for (handle, offset, n), x in zip(triples, tensors):
+            assert handle == x.untyped_storage().data_ptr()
+            assert offset == x.storage_offset() * x.element_size() and offset > 0
+            assert n == x.numel()
+    # The bytes are the contract's scalars in order: 9 fp32 then two uint32 flags.
+    unpacked = struct.unpack("<9f2I", packed)
+    assert unpacked == tuple(kernel_scalars(hp))
+    assert unpacked[-2:] == (0, 1)
+    # Grid: one dispatch per tensor, 4 elements per thread, groups of at most 256.
+    got = [(d["threads"], d["group"], d["base"], d["n"]) for d in emu.dispatches[-5:]]
+    assert got == [(1, 1, 0, 1), (2, 2, 0, 5), (1025, 256, 0, 4097), (1, 1, 0, 3), (16, 16, 0, 64)]
+
+
+@pytest.mark.parametrize("tier", [2, 3])
+def test_library_tier_arguments(emu, pkg, tier):
+    api = FakeMpsApi(emu)
+    backend = make_backend(tier, pkg, emu, api=api)
+    assert backend.name == {2: "load_metallib", 3: "compile_shader"}[tier]
+    if tier == 2:
+        assert api.loaded_paths == [str(pkg / METALLIB_NAME)]
+    else:  # tier 3 compiles the bundled source text it read, unmodified
+        assert api.compiled_sources == [(pkg / "metal" / "fused_adam.metal").read_text()]
+    t = group_tensors(torch.float16, torch.float16, sizes=(4097, 5))
+    hp = hyper(2)
+    emu.dispatches.clear()
+    backend.update(t["p"], t["g"], t["m"], t["v"], hp)
+    d = emu.dispatches
+    assert [x["name"] for x in d] == ["fused_adam_half_half"] * 2
+    assert [(x["threads"], x["group"], x["base"], x["n"]) for x in d] == [(1025, 256, 0, 4097), (2, 2, 0, 5)]
+    # The int64 words that torch binds with setBytes carry the struct byte for byte.
+    assert d[0]["hyper"][:44] == pack_params(hp) and len(d[0]["hyper"]) == 48
+    assert d[0]["addrs"][0] == t["p"][0].data_ptr()
+
+
+def test_params_as_words_round_trip():
+    packed = pack_params(hyper(3, maximize=True))
+    words = params_as_words(packed)
+    assert len(words) == 6 and all(-(2**63) <= w < 2**63 for w in words)
+    assert struct.pack("<6q", *words)[:44] == packed
+
+
+def test_dispatch_plan():
+    assert dispatch_plan(0) == []
+    assert dispatch_plan(1) == [(0, 1)]
+    assert dispatch_plan(4097) == [(0, 1025)]
+    big = 4 * MAX_THREADS_PER_DISPATCH  # 2^32 elements per dispatch
+    plan = dispatch_plan(2 * big + 5)
+    assert plan == [(0, MAX_THREADS_PER_DISPATCH), (big, MAX_THREADS_PER_DISPATCH), (2 * big, 2)]
+    assert all(threads <= MAX_THREADS_PER_DISPATCH for _, threads in plan)
+
+
+@pytest.mark.parametrize("tier", [1, 2])
+def test_split_dispatches_agree_with_one(emu, pkg, tier):
+    """Tensors split into many dispatches by advancing base (the path that keeps tensors past
+    2^32 elements right), with the split forced small here."""
+    start = group_tensors(torch.float32, torch.float32, sizes=(1003, 33))
+    want, got = clone_group(start), clone_group(start)
+    run_steps(make_backend(tier, pkg, emu), want)
+    if tier == 1:
+        small = make_backend(1, pkg, emu, ext=FakeMetalExt(emu, max_threads=8))
+    else:
+        small = ShaderLibraryBackend("load_metallib", FakeMpsApi(emu).load_metallib(pkg / METALLIB_NAME),
+                                     max_threads=8)
+    emu.dispatches.clear()
+    run_steps(small, got)
+    bases = [x["base"] for x in emu.dispatches if x["n"] == 1003]
+    assert bases == list(range(0, 1003, 32)) * 3
+    for k in want:
+        for a, b in zip(got[k], want[k]):
+            assert bits_equal(a, b)
+
+
+def _select(tiers):
+    """The real selection of backends.py, on our tiers; returns (backend, warnings)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        backend = backends._try("mps-test", tiers)
+    backends._reasons.pop("mps-test", None)
+    return backend, [str(w.message) for w in caught]
+
+
+def test_fallback_when_extension_missing(emu, pkg):
+    def no_ext():
+        raise ImportError("cannot import name '_metal'")
+    backend, msgs = _select(mps_tiers(load_ext=no_ext, mps_api=FakeMpsApi(emu), package_dir=pkg))
+    assert backend.name == "load_metallib"
+    assert len(msgs) == 1 and "_metal extension" in msgs[0] and "cannot import name '_metal'" in msgs[0]
+
+
+def test_fallback_when_metallib_missing(emu, pkg):
+    (pkg / METALLIB_NAME).unlink()
+    backend, msgs = _select(mps_tiers(load_ext=lambda: FakeMetalExt(emu), mps_api=FakeMpsApi(emu),
+                                      package_dir=pkg))
+    assert backend.name == "compile_shader"
+    assert len(msgs) == 2 and all("metallib missing" in m for m in msgs)
+
+
+def test_fallback_to_foreach(emu, pkg):
+    class OldTorchMps:  # a torch without either API
+        pass
+    (pkg / METALLIB_NAME).unlink()
+    backend, msgs = _select(mps_tiers(load_ext=lambda: FakeMetalExt(emu), mps_api=OldTorchMps(),
+                                      package_dir=pkg))
+    assert backend.name == "foreach"
+    assert len(msgs) == 3 and "no torch.mps.compile_shader" in msgs[2]
+
+
+def test_library_without_bfloat_kernels_is_refused(emu, pkg):
+    """A library compiled without Metal 3.1 (no bfloat kernels) must not be used half-working."""
+    src = pkg / "metal" / "fused_adam.metal"
+    src.write_text(src.read_text().replace("#if __METAL_VERSION__ >= 310\nFUSED_ADAM_INSTANTIATE",
+                                           "#if 0\nFUSED_ADAM_INSTANTIATE"))
+    (pkg / METALLIB_NAME).unlink()
+    backend, msgs = _select(mps_tiers(load_ext=lambda: FakeMetalExt(emu), mps_api=FakeMpsApi(emu),
+                                      package_dir=pkg))
+    assert backend.name == "foreach"
+    assert "lacks kernels ['fused_adam_bfloat_bfloat', 'fused_adam_bfloat_float']" in msgs[2]
+
+
+def test_on_this_machine_mps_falls_back_once(monkeypatch):
+    """The real tiers with the real torch here (no MPS): each says why once, then foreach."""
+    monkeypatch.setattr(backends, "_chosen", {})
+    monkeypatch.setattr(backends, "_reasons", {})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = backends.get_backend("mps")
+        again = backends.get_backend("mps")
+    assert first is again and first.name == "foreach"
+    msgs = [str(w.message) for w in caught]
+    labels = ["_metal extension", "torch.mps.load_metallib", "torch.mps.compile_shader"]
+    assert len(msgs) == 3 and all(label in m for label, m in zip(labels, msgs))
+
+
+def test_torch_mps_api_is_what_tiers_2_and_3_call():
+    """torch 2.13's Python API: load_metallib(path or bytes) and compile_shader(source)."""
+    assert list(inspect.signature(torch.mps.load_metallib).parameters) == ["source"]
+    assert list(inspect.signature(torch.mps.compile_shader).parameters) == ["source"]
+    if not torch.backends.mps.is_available():
+        with pytest.raises(RuntimeError, match="MPS is not available"):
+            torch.mps.compile_shader("kernel void f() {}")
+
+
+def test_bundled_source_is_found():
+    from mps_fused_adam import mps_backends
+    found = find_metal_source(mps_backends._package_dir())
+    assert found.read_text() == METAL_SOURCE.read_text()
