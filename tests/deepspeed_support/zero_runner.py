@@ -1,0 +1,204 @@
+"""Run DeepSpeed ZeRO configurations on our kernels and on a plain-torch reference; print JSON.
+
+Used by tests/test_deepspeed_zero.py in a subprocess (importing DeepSpeed is slow, so one
+process runs many configurations; the process environment carries no compiler and no ninja,
+which proves nothing is JIT-built). Also usable by hand:
+
+    PYTHONPATH=python python tests/deepspeed_support/zero_runner.py s2-off:fp32 s3:bf16
+
+Each argument is ``<config>:<dtype>`` with config one of CONFIGS. World size and rank come from
+the usual RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT variables (1 process when unset). The last
+line of stdout is one JSON object: per configuration, the losses of DeepSpeed and of the reference,
+a control run with half the learning rate, the optimizer class DeepSpeed built, which kernels ran, and the seconds from
+``deepspeed.initialize`` to the end of the fifth step.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+STEPS = 5
+MICRO_BATCH = 8
+LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.01
+
+# name -> (ZeRO stage, offload_optimizer to CPU, offload_param to CPU)
+CONFIGS = {
+    "s0": (0, False, False),
+    "s1": (1, False, False),
+    "s1-off": (1, True, False),
+    "s2": (2, False, False),
+    "s2-off": (2, True, False),
+    "s3": (3, False, False),
+    "s3-off": (3, True, False),
+    "s3-off-param": (3, True, True),
+}
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(1234)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                               torch.nn.Linear(32, 4))
+
+
+def make_data(world_size: int):
+    """STEPS global batches of world_size * MICRO_BATCH samples; rank r trains on slice r."""
+    g = torch.Generator().manual_seed(99)
+    xs = torch.randn(STEPS, world_size * MICRO_BATCH, 16, generator=g)
+    ys = torch.randn(STEPS, world_size * MICRO_BATCH, 4, generator=g)
+    return xs, ys
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out.float() - y) ** 2).mean()
+
+
+def ds_config(stage: int, off_opt: bool, off_param: bool, dtype: str) -> dict:
+    zero = {"stage": stage}
+    if stage == 3:
+        # Partition even these tiny tensors, so stage 3 really gathers and scatters them.
+        zero.update(stage3_param_persistence_threshold=0, stage3_max_live_parameters=0,
+                    stage3_prefetch_bucket_size=0)
+    if off_opt:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if off_param:
+        zero["offload_param"] = {"device": "cpu"}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD}},
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == "bf16"},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def reference_losses(dtype: str, rank: int, world_size: int, lr: float = LR, initial_zero_step: bool = False) -> list:
+    """The same model and data with torch.optim.AdamW; bf16 keeps fp32 master weights as ZeRO does.
+
+    In bf16, DeepSpeed casts the model to bf16 before it creates the fp32 master weights, so the
+    masters start from bf16-rounded values; so do the reference's. ``initial_zero_step`` mimics
+    DeepSpeed's ``FP16_Optimizer`` (ZeRO stage 0 with bf16), which initializes the optimizer
+    states by a real ``step()`` on all-zero gradients: weight decay is applied once and the step
+    count advances before training starts.
+
+    Data parallelism averages the ranks' gradients, which equals one process on the global batch
+    (equal slices); the loss reported is this rank's slice, as DeepSpeed's engine reports it.
+    """
+    master = make_model()
+    if dtype == "bf16":
+        with torch.no_grad():
+            for m in master.parameters():
+                m.copy_(m.to(torch.bfloat16))
+    opt = torch.optim.AdamW(master.parameters(), lr=lr, betas=BETAS, eps=EPS, weight_decay=WD)
+    if initial_zero_step:
+        for m in master.parameters():
+            m.grad = torch.zeros_like(m)
+        opt.step()
+    xs, ys = make_data(world_size)
+    losses = []
+    for step in range(STEPS):
+        work = make_model().to(torch.bfloat16) if dtype == "bf16" else master
+        if dtype == "bf16":
+            with torch.no_grad():
+                for w, m in zip(work.parameters(), master.parameters()):
+                    w.copy_(m)
+        x = xs[step].to(torch.bfloat16) if dtype == "bf16" else xs[step]
+        out = work(x)
+        sl = slice(rank * MICRO_BATCH, (rank + 1) * MICRO_BATCH)
+        losses.append(loss_fn(out[sl], ys[step][sl]).item())
+        opt.zero_grad()
+        loss_fn(out, ys[step]).backward()
+        if dtype == "bf16":
+            for w, m in zip(work.parameters(), master.parameters()):
+                m.grad = w.grad.float()
+        opt.step()
+    return losses
+
+
+def run_one(name: str, dtype: str, rank: int, world_size: int) -> dict:
+    import deepspeed
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    import mps_fused_adam.deepspeed as mfd
+    from mps_fused_adam.deepspeed.ops import CPU_ADAM_OP, FUSED_ADAM_OP
+
+    stage, off_opt, off_param = CONFIGS[name]
+    zero_step = stage == 0 and dtype == "bf16"  # see reference_losses
+    model = make_model()
+    xs, ys = make_data(world_size)
+    sl = slice(rank * MICRO_BATCH, (rank + 1) * MICRO_BATCH)
+    mfd.reset_kernel_calls()
+    t0 = time.perf_counter()
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                   config=ds_config(stage, off_opt, off_param, dtype))
+    losses = []
+    for step in range(STEPS):
+        x = xs[step][sl].to(engine.device)
+        if dtype == "bf16":
+            x = x.to(torch.bfloat16)
+        loss = loss_fn(engine(x), ys[step][sl].to(engine.device))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    seconds = time.perf_counter() - t0
+
+    # The optimizer DeepSpeed built from the config, under whatever ZeRO / bf16 wrapper holds it.
+    basic = engine.optimizer
+    while not isinstance(basic, (FusedAdam, DeepSpeedCPUAdam)) and hasattr(basic, "optimizer"):
+        basic = basic.optimizer
+    if isinstance(basic, DeepSpeedCPUAdam):
+        kernel_is_ours = basic.ds_opt_adam is CPU_ADAM_OP
+    elif isinstance(basic, FusedAdam):
+        kernel_is_ours = basic.multi_tensor_adam == FUSED_ADAM_OP.multi_tensor_adam
+    else:
+        kernel_is_ours = False
+    result = {
+        "config": name, "dtype": dtype, "rank": rank, "world_size": world_size,
+        "losses": losses, "reference": reference_losses(dtype, rank, world_size, initial_zero_step=zero_step),
+        # A negative control: the reference with half the learning rate. The test checks that its
+        # tolerance would catch this, so a loose tolerance cannot pass a wrong optimizer.
+        "control": reference_losses(dtype, rank, world_size, lr=LR / 2, initial_zero_step=zero_step),
+        "optimizer_class": f"{type(basic).__module__}.{type(basic).__qualname__}",
+        "optimizer_exact_type": type(basic) in (FusedAdam, DeepSpeedCPUAdam),
+        "kernel_is_ours": kernel_is_ours, "kernel_calls": mfd.kernel_calls(), "seconds": seconds,
+    }
+    engine.destroy()
+    del engine, optimizer, basic
+    return result
+
+
+def main(argv: list) -> int:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+
+    t0 = time.perf_counter()
+    import mps_fused_adam.deepspeed as mfd
+    report = mfd.install()
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")
+    setup_seconds = time.perf_counter() - t0
+
+    results = []
+    for arg in argv:
+        name, dtype = arg.split(":")
+        results.append(run_one(name, dtype, rank, world_size))
+    import deepspeed.ops
+    out = {"install": report, "setup_seconds": setup_seconds, "results": results,
+           "compatible_ops": dict(deepspeed.ops.__compatible_ops__)}
+    print("\nMFA-RESULT " + json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
