@@ -19,6 +19,7 @@ buffer 5 ``base`` and buffer 6 ``n`` (64-bit); each thread handles 4 elements fr
 from __future__ import annotations
 
 import struct
+import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -84,6 +85,12 @@ def mps_buffer(t: torch.Tensor) -> tuple[int, int, int]:
     return (t.untyped_storage().data_ptr(), t.storage_offset() * t.element_size(), t.numel())
 
 
+def libtorch_cpu_path() -> Path:
+    """The libtorch that ``import torch`` loaded: ``_metal`` looks the torch::mps functions up in it."""
+    suffix = ".dylib" if sys.platform == "darwin" else ".so"
+    return Path(torch.__file__).resolve().parent / "lib" / f"libtorch_cpu{suffix}"
+
+
 def _package_dir() -> Path:
     return Path(__file__).resolve().parent
 
@@ -106,7 +113,9 @@ class MetalExtBackend:
     def __init__(self, ext: Any, metallib: Path, buffer_of: Callable = mps_buffer) -> None:
         if not metallib.is_file():
             raise FileNotFoundError(f"bundled metallib missing: {metallib}")
-        ext.load(str(metallib))  # raises with Metal's own error text if the library is unusable
+        # Raises with Metal's own error text if the library is unusable, or if this torch's
+        # libtorch lacks the torch::mps functions.
+        ext.load(str(metallib), str(libtorch_cpu_path()))
         self._ext = ext
         self._buffer_of = buffer_of
 

@@ -1,0 +1,212 @@
+// The `_metal` extension: runs the kernels of metal/fused_adam.metal (prebuilt into
+// fused_adam.metallib) on PyTorch's MPS stream. One call per group encodes every tensor into one
+// compute encoder on PyTorch's current command buffer, under PyTorch's dispatch queue; it never
+// waits for the GPU and allocates nothing per step beyond the encoder itself.
+//
+// Python surface (used by python/mps_fused_adam/mps_backends.py, mirrored by tests/emulated_mps.py):
+//   load(metallib_path, libtorch_path)   load the library, build the pipelines and bind the
+//       torch::mps functions, once per process
+//   adam_step(params, grads, exp_avgs, exp_avg_sqs, param_code, state_code, hyper)
+//       each list holds (MTLBuffer handle, byte offset, numel) per tensor; codes 0 float, 1 half,
+//       2 bfloat; hyper is the 44-byte AdamParams struct (contract.KernelScalars order).
+// Untested on Apple hardware until the release pipeline's Apple Silicon job has run.
+#import <Foundation/Foundation.h>
+#import <Metal/Metal.h>
+
+#include <dlfcn.h>
+#include <nanobind/nanobind.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace nb = nanobind;
+
+namespace {
+
+// torch/mps.h (torch 2.13): MTLCommandBuffer_t get_command_buffer(); DispatchQueue_t
+// get_dispatch_queue(); void commit(); with MTLCommandBuffer_t = id<MTLCommandBuffer> and
+// DispatchQueue_t = dispatch_queue_t. Nothing of torch is used at build time: the functions are
+// looked up by their C++ names (no version in them) in the libtorch_cpu that `import torch` loaded,
+// which works however Python loaded it (RTLD_LOCAL included) and fails with a clear message.
+struct TorchMps {
+  id<MTLCommandBuffer> (*get_command_buffer)();
+  dispatch_queue_t (*get_dispatch_queue)();
+  void (*commit)();
+};
+TorchMps g_torch;
+
+struct AdamParams {  // metal/fused_adam.metal's struct: 9 floats, then adam_w_mode and maximize
+  float scalars[9];
+  uint32_t flags[2];
+};
+static_assert(sizeof(AdamParams) == 44, "AdamParams layout");
+
+constexpr uint64_t kElemsPerThread = 4;
+constexpr uint64_t kMaxThreadsPerDispatch = uint64_t(1) << 30;  // see mps_backends.py
+constexpr NSUInteger kGroupSize = 256;
+const char* const kDtypeNames[3] = {"float", "half", "bfloat"};
+
+struct TensorRef {
+  uintptr_t buffer[4];  // param, grad, exp_avg, exp_avg_sq: id<MTLBuffer> as an integer
+  uint64_t offset[4];   // bytes
+  uint64_t numel;
+};
+
+std::mutex g_load_mutex;
+bool g_loaded = false;
+id<MTLComputePipelineState> g_pipelines[3][3];  // [param code][state code]; nil: no such kernel
+
+[[noreturn]] void fail(const std::string& what, NSError* error) {
+  std::string msg = "mps_fused_adam._metal: " + what;
+  if (error != nil) {
+    msg += ": ";
+    msg += error.localizedDescription.UTF8String;
+  }
+  throw std::runtime_error(msg);
+}
+
+template <typename Fn>
+Fn torch_symbol(void* libtorch, const char* name) {
+  void* sym = dlsym(libtorch, name);
+  if (sym == nullptr) {
+    fail(std::string("libtorch lacks ") + name + " (a torch build without MPS?)", nil);
+  }
+  return reinterpret_cast<Fn>(sym);
+}
+
+void load(const std::string& path, const std::string& libtorch_path) {
+  std::lock_guard<std::mutex> lock(g_load_mutex);
+  if (g_loaded) {
+    return;
+  }
+  void* libtorch = dlopen(libtorch_path.c_str(), RTLD_LAZY | RTLD_NOLOAD);  // only if loaded
+  if (libtorch == nullptr) {
+    fail("libtorch is not loaded from " + libtorch_path, nil);
+  }
+  g_torch.get_command_buffer = torch_symbol<id<MTLCommandBuffer> (*)()>(
+      libtorch, "_ZN5torch3mps18get_command_bufferEv");
+  g_torch.get_dispatch_queue = torch_symbol<dispatch_queue_t (*)()>(
+      libtorch, "_ZN5torch3mps18get_dispatch_queueEv");
+  g_torch.commit = torch_symbol<void (*)()>(libtorch, "_ZN5torch3mps6commitEv");
+  @autoreleasepool {
+    id<MTLDevice> device = MTLCreateSystemDefaultDevice();  // the device PyTorch's MPS uses
+    if (device == nil) {
+      fail("no Metal device", nil);
+    }
+    NSError* error = nil;
+    NSURL* url = [NSURL fileURLWithPath:[NSString stringWithUTF8String:path.c_str()]];
+    id<MTLLibrary> library = [device newLibraryWithURL:url error:&error];
+    if (library == nil) {
+      fail("cannot load " + path, error);
+    }
+    for (int p = 0; p < 3; ++p) {
+      for (int s = 0; s < 3; ++s) {
+        if (s != 0 && s != p) {
+          continue;  // states are fp32 or the param dtype
+        }
+        const std::string name = std::string("fused_adam_") + kDtypeNames[p] + "_" + kDtypeNames[s];
+        id<MTLFunction> fn = [library newFunctionWithName:[NSString stringWithUTF8String:name.c_str()]];
+        if (fn == nil) {
+          fail(path + " has no kernel " + name, nil);
+        }
+        id<MTLComputePipelineState> pso = [device newComputePipelineStateWithFunction:fn error:&error];
+        if (pso == nil) {
+          fail("cannot build the pipeline of " + name, error);
+        }
+        g_pipelines[p][s] = pso;
+      }
+    }
+    g_loaded = true;
+  }
+}
+
+// Field k of the (handle, byte offset, numel) tuple at list[i], read with borrowed references.
+uint64_t field(nb::list list, size_t i, Py_ssize_t k) {
+  PyObject* triple = PyList_GET_ITEM(list.ptr(), static_cast<Py_ssize_t>(i));
+  if (!PyTuple_Check(triple) || PyTuple_GET_SIZE(triple) != 3) {
+    throw std::invalid_argument("mps_fused_adam._metal: expected (handle, byte offset, numel) tuples");
+  }
+  return nb::cast<uint64_t>(nb::handle(PyTuple_GET_ITEM(triple, k)));
+}
+
+void adam_step(nb::list params, nb::list grads, nb::list exp_avgs, nb::list exp_avg_sqs,
+               int param_code, int state_code, nb::bytes hyper) {
+  if (!g_loaded) {
+    throw std::runtime_error("mps_fused_adam._metal: load() has not been called");
+  }
+  if (param_code < 0 || param_code > 2 || state_code < 0 || state_code > 2 ||
+      g_pipelines[param_code][state_code] == nil) {
+    throw std::invalid_argument("mps_fused_adam._metal: unsupported dtype codes");
+  }
+  if (hyper.size() != sizeof(AdamParams)) {
+    throw std::invalid_argument("mps_fused_adam._metal: hyper must be 44 bytes");
+  }
+  const size_t count = params.size();
+  if (grads.size() != count || exp_avgs.size() != count || exp_avg_sqs.size() != count) {
+    throw std::invalid_argument("mps_fused_adam._metal: tensor lists differ in length");
+  }
+  AdamParams hp;
+  std::memcpy(&hp, hyper.c_str(), sizeof hp);
+
+  // Unpacked while holding the GIL; the buffer only grows, so steady-state steps allocate nothing.
+  static thread_local std::vector<TensorRef> refs;
+  refs.resize(count);
+  const nb::list lists[4] = {params, grads, exp_avgs, exp_avg_sqs};
+  for (size_t i = 0; i < count; ++i) {
+    TensorRef& r = refs[i];
+    r.numel = field(params, i, 2);
+    for (int k = 0; k < 4; ++k) {
+      r.buffer[k] = static_cast<uintptr_t>(field(lists[k], i, 0));
+      r.offset[k] = field(lists[k], i, 1);
+      if (field(lists[k], i, 2) != r.numel) {
+        throw std::invalid_argument("mps_fused_adam._metal: tensor sizes differ within a parameter");
+      }
+    }
+  }
+
+  // The block runs on PyTorch's queue thread: it captures plain values, never Python objects.
+  const TensorRef* data = refs.data();
+  id<MTLComputePipelineState> pso = g_pipelines[param_code][state_code];
+  const NSUInteger group = std::min<NSUInteger>(kGroupSize, pso.maxTotalThreadsPerThreadgroup);
+  nb::gil_scoped_release no_gil;
+  dispatch_sync(g_torch.get_dispatch_queue(), ^{
+    @autoreleasepool {
+      // Inside the queue: get_command_buffer() first closes PyTorch's own open encoder.
+      id<MTLComputeCommandEncoder> encoder = [g_torch.get_command_buffer() computeCommandEncoder];
+      [encoder setComputePipelineState:pso];
+      [encoder setBytes:&hp length:sizeof hp atIndex:4];
+      for (size_t i = 0; i < count; ++i) {
+        const TensorRef& r = data[i];
+        for (NSUInteger k = 0; k < 4; ++k) {
+          [encoder setBuffer:(__bridge id<MTLBuffer>)reinterpret_cast<void*>(r.buffer[k])
+                      offset:r.offset[k]
+                     atIndex:k];
+        }
+        [encoder setBytes:&r.numel length:sizeof r.numel atIndex:6];
+        for (uint64_t base = 0; base < r.numel; base += kMaxThreadsPerDispatch * kElemsPerThread) {
+          const uint64_t elems = std::min(kMaxThreadsPerDispatch * kElemsPerThread, r.numel - base);
+          const NSUInteger threads = (elems + kElemsPerThread - 1) / kElemsPerThread;
+          [encoder setBytes:&base length:sizeof base atIndex:5];
+          [encoder dispatchThreads:MTLSizeMake(threads, 1, 1)
+             threadsPerThreadgroup:MTLSizeMake(std::min(group, threads), 1, 1)];
+        }
+      }
+      [encoder endEncoding];
+      g_torch.commit();  // submit without waiting, as PyTorch's custom-kernel example does
+    }
+  });
+}
+
+}  // namespace
+
+NB_MODULE(_metal, m) {
+  m.doc() = "Fused Adam Metal kernels dispatched on PyTorch's MPS stream";
+  m.def("load", &load, nb::arg("metallib_path"), nb::arg("libtorch_path"));
+  m.def("adam_step", &adam_step, nb::arg("params"), nb::arg("grads"), nb::arg("exp_avgs"),
+        nb::arg("exp_avg_sqs"), nb::arg("param_code"), nb::arg("state_code"), nb::arg("hyper"));
+}
