@@ -1,0 +1,134 @@
+"""The benchmark's MPS section: each of our Metal tiers against torch's own Adam on MPS, with the
+chip's copy bandwidth measured in the same run as the yardstick.
+
+Called by ``bench.py``; prints "no MPS device" where there is none (every Linux machine).
+Contenders run interleaved (one repetition of each in turn), so drifts of clock and temperature
+hit all of them alike. Times are medians; every timed call ends with ``torch.mps.synchronize()``.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from .contract import AdamHyper
+
+# Bytes one Adam step moves per element: param read+write and grad read (param dtype), exp_avg
+# and exp_avg_sq read+write (state dtype).
+def _bytes_per_elem(pdtype: torch.dtype, sdtype: torch.dtype) -> int:
+    p = torch.empty((), dtype=pdtype).element_size()
+    s = torch.empty((), dtype=sdtype).element_size()
+    return 3 * p + 4 * s
+
+
+def _mps_available() -> bool:
+    mps = getattr(torch.backends, "mps", None)
+    return mps is not None and mps.is_available()
+
+
+def _interleaved(contenders: dict[str, Callable[[], None]], repeats: int,
+                 sync: Callable[[], None]) -> dict[str, float]:
+    for fn in contenders.values():  # warm-up: pipelines, allocator, first-step state
+        fn()
+    sync()
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(repeats):
+        for name, fn in contenders.items():
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _copy_bandwidth(numel: int, repeats: int, device: str, sync: Callable[[], None]) -> float:
+    """Bytes per second of a device-to-device fp32 copy (one read and one write per element)."""
+    src = torch.ones(numel, device=device)
+    dst = torch.empty_like(src)
+    t = _interleaved({"copy": lambda: dst.copy_(src)}, repeats, sync)["copy"]
+    return 2 * numel * 4 / t
+
+
+def _contenders(tensors: list[torch.Tensor], pdtype, sdtype,
+                tiers) -> tuple[dict[str, Callable[[], None]], list[str]]:
+    params = [torch.nn.Parameter(t) for t in tensors]
+    grads = [torch.randn_like(t) for t in tensors]
+    for p, g in zip(params, grads):
+        p.grad = g
+    ms = [torch.zeros_like(t, dtype=sdtype) for t in tensors]
+    vs = [torch.zeros_like(t, dtype=sdtype) for t in tensors]
+    raw = [p.detach() for p in params]
+    step = [0]
+    notes: list[str] = []
+    out: dict[str, Callable[[], None]] = {}
+
+    def ours(backend) -> Callable[[], None]:
+        def run() -> None:
+            step[0] += 1
+            hp = AdamHyper(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=step[0])
+            backend.update(raw, grads, ms, vs, hp)
+        return run
+
+    for label, factory in tiers:
+        try:
+            out[f"ours ({label})"] = ours(factory())
+        except Exception as exc:  # a tier that cannot load is reported, not fatal
+            notes.append(f"{label}: unavailable ({exc})")
+    if sdtype == pdtype:  # torch keeps states in the param dtype only
+        for kind in ("fused", "foreach"):
+            opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, **{kind: True})
+            out[f"torch AdamW({kind}=True)"] = opt.step
+    return out, notes
+
+
+def mps_benchmark_section(numel: int = 64 * 2**20, many: tuple[int, int] = (1000, 65536),
+                          tiny: tuple[int, int] = (1000, 4), repeats: int = 10,
+                          out: Callable[[str], None] = print) -> list[dict]:
+    """Measure and print the MPS table; returns its rows (empty without an MPS device).
+
+    Cases: one flat tensor of ``numel`` elements (fp32; bf16 params and states; bf16 params with
+    fp32 states), ``many`` = (count, size) tensors in fp32, and ``tiny`` tensors whose time is
+    almost all dispatch cost (reported per tensor).
+    """
+    if not _mps_available():
+        out("MPS: no MPS device; the Metal section runs on Apple Silicon only")
+        return []
+    from .mps_backends import mps_tiers
+    return _run_section(numel, many, tiny, repeats, out, device="mps", sync=torch.mps.synchronize,
+                        tiers=mps_tiers())
+
+
+def _run_section(numel, many, tiny, repeats, out, *, device: str, sync: Callable[[], None],
+                 tiers) -> list[dict]:
+    """The measurement itself; the device, its sync and the tiers are parameters so the tests can
+    run it on CPU tensors with the emulated tiers."""
+    bandwidth = _copy_bandwidth(numel, repeats, device, sync)
+    out(f"{device.upper()} copy bandwidth (fp32 copy_, {numel} elements): {bandwidth / 1e9:.1f} GB/s")
+    cases = [(f"flat {numel}", [numel], torch.float32, torch.float32),
+             (f"flat {numel}", [numel], torch.bfloat16, torch.bfloat16),
+             (f"flat {numel}", [numel], torch.bfloat16, torch.float32),
+             (f"{many[0]} x {many[1]}", [many[1]] * many[0], torch.float32, torch.float32),
+             (f"{tiny[0]} x {tiny[1]}", [tiny[1]] * tiny[0], torch.float32, torch.float32)]
+    rows: list[dict] = []
+    out(f"{'case':<22} {'dtypes':<16} {'implementation':<38} {'ns/elem':>8} {'GB/s':>7} {'% copy bw':>9} {'us/tensor':>9}")
+    for case, sizes, pdtype, sdtype in cases:
+        tensors = [torch.randn(n, device=device).to(pdtype) for n in sizes]
+        contenders, notes = _contenders(tensors, pdtype, sdtype, tiers)
+        for note in notes:
+            out(f"  {note}")
+        elems = sum(sizes)
+        for name, t in _interleaved(contenders, repeats, sync).items():
+            gbs = elems * _bytes_per_elem(pdtype, sdtype) / t / 1e9
+            row = dict(case=case, param_dtype=str(pdtype), state_dtype=str(sdtype), implementation=name,
+                       ns_per_elem=t / elems * 1e9, gb_per_s=gbs, frac_copy_bw=gbs * 1e9 / bandwidth,
+                       us_per_tensor=t / len(sizes) * 1e6)
+            rows.append(row)
+            dt = f"{str(pdtype)[6:]}/{str(sdtype)[6:]}"
+            out(f"{case:<22} {dt:<16} {name:<38} {row['ns_per_elem']:>8.3f} {gbs:>7.1f} "
+                f"{100 * row['frac_copy_bw']:>8.0f}% {row['us_per_tensor']:>9.2f}")
+        del tensors, contenders
+        if device == "mps":
+            torch.mps.empty_cache()
+    return rows

@@ -1,0 +1,99 @@
+"""What can be checked of the Apple-only code and the MPS benchmark on Linux.
+
+The Objective-C++ and the Apple CMake cannot be compiled here; these tests hold their names and
+interfaces against what is checkable: the libtorch this process loaded, the Python side that calls
+them, and the line budget. The benchmark section runs on CPU tensors through the emulated tiers.
+"""
+from __future__ import annotations
+
+import ctypes
+import inspect
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from emulated_mps import METAL_SOURCE, FakeMetalExt, FakeMpsApi, build_emulator
+from mps_fused_adam import bench_mps
+from mps_fused_adam.mps_backends import METALLIB_NAME, libtorch_cpu_path, mps_tiers
+
+REPO = Path(__file__).resolve().parent.parent
+MM = REPO / "src" / "metal" / "metal_adam.mm"
+APPLE_CMAKE = REPO / "cmake" / "apple_metal.cmake"
+
+pytestmark = pytest.mark.skipif(not MM.is_file(), reason="needs the source tree (src/, cmake/)")
+
+
+def test_torch_mps_symbols_exist_in_loaded_libtorch():
+    """The C++ names _metal looks up resolve in the libtorch_cpu of this process (they carry no
+    torch version, so the same lookup serves every torch release that has them)."""
+    names = re.findall(r'"(_ZN5torch3mps\w+)"', MM.read_text())
+    assert sorted(names) == ["_ZN5torch3mps18get_command_bufferEv", "_ZN5torch3mps18get_dispatch_queueEv",
+                             "_ZN5torch3mps6commitEv"]
+    lib = ctypes.CDLL(str(libtorch_cpu_path()), mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    for name in names:
+        assert hasattr(lib, name), name
+
+
+def test_extension_signatures_match_the_python_side():
+    text = MM.read_text()
+    defs = dict(re.findall(r'm\.def\("(\w+)",\s*&\w+((?:,\s*nb::arg\("\w+"\))*)\)', text))
+    args = {k: re.findall(r'nb::arg\("(\w+)"\)', v) for k, v in defs.items()}
+    for fn in ("load", "adam_step"):
+        want = list(inspect.signature(getattr(FakeMetalExt, fn)).parameters)[1:]
+        assert len(args[fn]) == len(want), (fn, args[fn], want)
+    assert args["adam_step"][4:] == ["param_code", "state_code", "hyper"]
+
+
+def test_extension_kernel_names_and_struct_match_the_kernel():
+    text = MM.read_text()
+    assert '"fused_adam_"' in text and '{"float", "half", "bfloat"}' in text
+    assert "sizeof(AdamParams) == 44" in text
+    # Buffer indices: 0-3 tensors, 4 params, 5 base, 6 n, as in fused_adam.metal.
+    assert "atIndex:4]" in text and "atIndex:5]" in text and "atIndex:6]" in text
+    kernel = METAL_SOURCE.read_text()
+    for idx, name in [(4, "hp"), (5, "base"), (6, "n")]:
+        assert re.search(rf"&\s*{name}\s*\[\[buffer\({idx}\)\]\]", kernel), name
+
+
+def test_apple_only_code_under_250_lines():
+    lines = [l for f in (MM, APPLE_CMAKE) for l in f.read_text().splitlines() if l.strip()]
+    assert len(lines) < 250, len(lines)
+
+
+def test_apple_cmake_compiles_without_fast_math():
+    text = APPLE_CMAKE.read_text()
+    assert "-fno-fast-math" in text and "-std=metal3.1" in text and "-mmacosx-version-min=" in text
+    assert re.search(r"target_link_libraries\(_metal PRIVATE \$\{MFA_METAL_FRAMEWORK\} \$\{MFA_FOUNDATION_FRAMEWORK\}\)", text)
+    assert "torch" not in re.sub(r"#.*", "", text).lower()  # nothing of torch at build time
+
+
+def test_benchmark_says_no_mps_device_here():
+    if torch.backends.mps.is_available():
+        pytest.skip("this machine has MPS")
+    printed: list[str] = []
+    assert bench_mps.mps_benchmark_section(out=printed.append) == []
+    assert printed == ["MPS: no MPS device; the Metal section runs on Apple Silicon only"]
+
+
+def test_benchmark_section_runs_through_emulated_tiers(tmp_path):
+    """The section's code path end to end on CPU tensors with the emulated tiers, tiny sizes."""
+    (tmp_path / METALLIB_NAME).write_bytes(b"placeholder")
+    (tmp_path / "metal").mkdir()
+    shutil.copy(METAL_SOURCE, tmp_path / "metal" / "fused_adam.metal")
+    emu = build_emulator()
+    tiers = mps_tiers(load_ext=lambda: FakeMetalExt(emu), mps_api=FakeMpsApi(emu), package_dir=tmp_path)
+    printed: list[str] = []
+    rows = bench_mps._run_section(4099, (3, 64), (5, 4), 2, printed.append, device="cpu",
+                                  sync=lambda: None, tiers=tiers)
+    impls = {r["implementation"] for r in rows}
+    assert {"ours (_metal extension)", "ours (torch.mps.load_metallib)", "ours (torch.mps.compile_shader)",
+            "torch AdamW(fused=True)", "torch AdamW(foreach=True)"} <= impls
+    # 5 cases x 3 tiers, and torch (fused, foreach) in the 4 cases whose states are in the param dtype
+    assert len(rows) == 5 * 3 + 4 * 2
+    assert all(r["ns_per_elem"] > 0 and r["gb_per_s"] > 0 for r in rows)
+    assert bench_mps._bytes_per_elem(torch.float32, torch.float32) == 28
+    assert bench_mps._bytes_per_elem(torch.bfloat16, torch.float32) == 22
