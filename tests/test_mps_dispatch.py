@@ -210,6 +210,16 @@ def test_fallback_when_extension_missing(emu, pkg):
     assert len(msgs) == 1 and "_metal extension" in msgs[0] and "cannot import name '_metal'" in msgs[0]
 
 
+def test_old_torch_skips_tier1(emu, pkg):
+    backend, msgs = _select(mps_tiers(load_ext=lambda: FakeMetalExt(emu), mps_api=FakeMpsApi(emu),
+                                      package_dir=pkg, torch_version=lambda: (2, 9)))
+    assert backend.name == "load_metallib"
+    assert len(msgs) == 1 and "older than 2.10" in msgs[0]
+    backend, msgs = _select(mps_tiers(load_ext=lambda: FakeMetalExt(emu), mps_api=FakeMpsApi(emu),
+                                      package_dir=pkg, torch_version=lambda: (2, 10)))
+    assert backend.name == "metal" and msgs == []
+
+
 def test_fallback_when_metallib_missing(emu, pkg):
     (pkg / METALLIB_NAME).unlink()
     backend, msgs = _select(mps_tiers(load_ext=lambda: FakeMetalExt(emu), mps_api=FakeMpsApi(emu),

@@ -33,6 +33,11 @@ ELEMS_PER_THREAD = 4
 MAX_THREADS_PER_DISPATCH = 1 << 30
 THREADGROUP_SIZE = 256
 
+# torch::mps::get_command_buffer() closes PyTorch's open compute encoder only since
+# pytorch/pytorch#164093 (September 2025, after the 2.9 branch cut); before it, the encoder _metal
+# opens aborts the process ("A command encoder is already encoding to this command buffer").
+TIER1_MIN_TORCH = (2, 10)
+
 METALLIB_NAME = "fused_adam.metallib"
 METAL_SOURCE_NAME = "fused_adam.metal"
 
@@ -89,6 +94,11 @@ def libtorch_cpu_path() -> Path:
     """The libtorch that ``import torch`` loaded: ``_metal`` looks the torch::mps functions up in it."""
     suffix = ".dylib" if sys.platform == "darwin" else ".so"
     return Path(torch.__file__).resolve().parent / "lib" / f"libtorch_cpu{suffix}"
+
+
+def torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
 
 
 def _package_dir() -> Path:
@@ -160,8 +170,9 @@ class ShaderLibraryBackend:
 
 
 def mps_tiers(*, load_ext: Callable[[], Any] | None = None, mps_api: Any = None,
-              package_dir: Path | None = None,
-              buffer_of: Callable = mps_buffer) -> list[tuple[str, Callable[[], Any]]]:
+              package_dir: Path | None = None, buffer_of: Callable = mps_buffer,
+              torch_version: Callable[[], tuple[int, int]] = torch_version,
+              ) -> list[tuple[str, Callable[[], Any]]]:
     """Tiers 1-3 as ``(label, factory)`` in preference order; each factory raises why it can't load."""
     pkg = package_dir if package_dir is not None else _package_dir()
 
@@ -173,6 +184,10 @@ def mps_tiers(*, load_ext: Callable[[], Any] | None = None, mps_api: Any = None,
         return _metal
 
     def tier1() -> MetalExtBackend:
+        if torch_version() < TIER1_MIN_TORCH:
+            raise RuntimeError(
+                f"torch {torch.__version__} is older than {'.'.join(map(str, TIER1_MIN_TORCH))}: its "
+                "torch::mps::get_command_buffer() leaves PyTorch's own encoder open (pytorch/pytorch#164093)")
         ext = (load_ext or import_ext)()
         return MetalExtBackend(ext, pkg / METALLIB_NAME, buffer_of)
 
