@@ -20,7 +20,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from ..backends import get_backend
-from ..contract import AdamHyper
+from ..contract import AdamHyper, kernel_scalars
 
 __all__ = ["FusedAdamOp", "CPUAdamOp", "FUSED_ADAM_OP", "CPU_ADAM_OP", "kernel_calls", "reset_kernel_calls"]
 
@@ -222,7 +222,10 @@ class CPUAdamOp:
             m = (m - (1 - beta1) * g) / beta1
             v = (v - (1 - beta2) * g * g) / beta2
 
-        with ``bc = 1 - beta ** step`` in fp32. This does the same. Where DeepSpeed ignores the
+        with ``bc = 1 - beta ** step`` in fp32. This evaluates the same expressions in the same
+        order, with the fp32 scalars our update used (``contract.kernel_scalars``: ``1 - beta`` and
+        the bias corrections computed in double, then rounded), so it inverts our step rather than
+        DeepSpeed's slightly different rounding of it. Where DeepSpeed ignores the
         flags (it always bias-corrects and always treats weight decay as decoupled), this honours
         ``bias_correction=False`` and L2 mode (``adamw_mode=False``), so the rollback inverts the
         step that was actually taken. Like DeepSpeed, only fp32 tensors can be rolled back (low
@@ -241,30 +244,36 @@ class CPUAdamOp:
         if step < 1:
             raise ValueError(f"mps_fused_adam.deepspeed: adam_rollback needs the step to undo (>= 1), got {step}")
 
+        # The scalars our update used (DESIGN.md section 2), so the rollback inverts our step;
+        # DeepSpeed's rollback uses its own update's float scalars (1.0f - beta1, ...).
+        k = kernel_scalars(AdamHyper(lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(epsilon),
+                                     weight_decay=float(weight_decay), step=step, adam_w_mode=cfg["adamw_mode"],
+                                     bias_correction=bool(bias_correction)))
+
         def f32(x: float) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.float32)
 
-        b1, b2, lr_, eps, wd = f32(beta1), f32(beta2), f32(lr), f32(epsilon), f32(weight_decay)
-        if bias_correction:
-            # float(beta) ** step in double, then rounded: what std::pow(float, int) does in C++11.
-            bc1 = f32(1.0) - f32(float(b1) ** step)
-            bc2 = f32(1.0) - f32(float(b2) ** step)
-        else:
-            bc1 = bc2 = f32(1.0)
+        def div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            # A true per-element division: torch may turn division by a 0-d tensor into a
+            # multiplication by its reciprocal, which rounds differently from the C++ loop.
+            return a / b.expand_as(a).contiguous()
+
         with torch.no_grad():
             p = params.detach()
             m, v = exp_avg, exp_avg_sq
-            g = grads.detach().float()
-            denom = torch.sqrt(v / bc2) + eps
-            update = lr_ * (m / bc1) / denom
-            if cfg["adamw_mode"]:
-                new_p = (p + update) / (f32(1.0) - lr_ * wd)
+            g = grads.detach()
+            # torch's fp32 sqrt on CPU is not always correctly rounded (Sleef, measured with torch
+            # 2.13); C++'s std::sqrt is. sqrt in double, rounded once to fp32, is exact.
+            denom = torch.sqrt(div(v, f32(k.bc2)).double()).float() + f32(k.eps)
+            update = div(f32(k.lr) * div(m, f32(k.bc1)), denom)
+            if k.adam_w_mode:
+                new_p = div(p + update, f32(1.0) - f32(k.lr) * f32(k.weight_decay))
             else:
                 new_p = p + update
-                g = g + wd * new_p  # the L2 step fed g + wd * p_previous into the moments
+                g = g + f32(k.weight_decay) * new_p  # the L2 step fed g + wd * p_previous into the moments
             new_p = torch.where(torch.isfinite(new_p), new_p, torch.zeros_like(new_p))
-            new_m = (m - (f32(1.0) - b1) * g) / b1
-            new_v = (v - (f32(1.0) - b2) * g * g) / b2
+            new_m = div(m - f32(k.one_minus_beta1) * g, f32(k.beta1))
+            new_v = div(v - f32(k.one_minus_beta2) * g * g, f32(k.beta2))
             p.copy_(new_p)
             m.copy_(new_m)
             v.copy_(new_v)
