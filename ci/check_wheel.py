@@ -406,6 +406,8 @@ def check_sdist(path: str | Path) -> list[str]:
 
 def check_file(path: str | Path, repaired: bool = False, metal_sources: list[str] | None = None) -> list[str]:
     name = Path(path).name
+    if not Path(path).is_file():
+        return ["no such file (did the build produce it? an unmatched shell glob lands here)"]
     if name.endswith(".whl"):
         return check_wheel(path, repaired=repaired, metal_sources=metal_sources)
     if name.endswith(".tar.gz"):
