@@ -47,6 +47,19 @@ void span_kernel(const Span& sp, int64_t begin, int64_t end, const Scalars& s) {
   S* m = static_cast<S*>(sp.exp_avg);
   S* v = static_cast<S*>(sp.exp_avg_sq);
   int64_t i = begin;
+  // Two independent vectors per iteration: the divide/sqrt chain of one hides the other's latency.
+  for (; i + 2 * W <= end; i += 2 * W) {
+    typename Vec::F p0 = Vec::load(p + i), m0 = Vec::load(m + i), v0 = Vec::load(v + i);
+    typename Vec::F p1 = Vec::load(p + i + W), m1 = Vec::load(m + i + W), v1 = Vec::load(v + i + W);
+    math(p0, Vec::load(g + i), m0, v0);
+    math(p1, Vec::load(g + i + W), m1, v1);
+    Vec::store(p + i, p0);
+    Vec::store(m + i, m0);
+    Vec::store(v + i, v0);
+    Vec::store(p + i + W, p1);
+    Vec::store(m + i + W, m1);
+    Vec::store(v + i + W, v1);
+  }
   for (; i + W <= end; i += W) {
     typename Vec::F pv = Vec::load(p + i), mv = Vec::load(m + i), vv = Vec::load(v + i);
     math(pv, Vec::load(g + i), mv, vv);
