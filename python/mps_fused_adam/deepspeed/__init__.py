@@ -16,6 +16,7 @@ Importing this package does not import DeepSpeed; ``install()`` does.
 from __future__ import annotations
 
 import os
+import re
 import threading
 from typing import Any, Dict
 
@@ -35,8 +36,8 @@ _state: Dict[str, Any] = {}
 def _version_tuple(version: str) -> tuple:
     parts = []
     for piece in version.split("+")[0].split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
+        match = re.match(r"\d+", piece)  # "0rc1" -> 0: a pre-release counts as its release
+        parts.append(int(match.group()) if match else 0)
     return tuple(parts + [0] * (3 - len(parts)))
 
 

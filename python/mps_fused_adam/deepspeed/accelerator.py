@@ -204,6 +204,14 @@ class _StagedWork:
         return self._work is None or self._work.is_completed()
 
 
+def _needs_staging(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == "mps"
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    return t.to("cpu")
+
+
 def _staged(func):
     """Wrap a TorchBackend collective: MPS tensors (also inside lists) go through CPU copies."""
 
@@ -214,11 +222,11 @@ def _staged(func):
         pairs = []
 
         def stage(arg):
-            if isinstance(arg, torch.Tensor) and arg.device.type == "mps":
-                cpu = arg.to("cpu")
+            if _needs_staging(arg):
+                cpu = _to_host(arg)
                 pairs.append((arg, cpu))
                 return cpu
-            if isinstance(arg, list) and any(isinstance(t, torch.Tensor) and t.device.type == "mps" for t in arg):
+            if isinstance(arg, list) and any(_needs_staging(t) for t in arg):
                 return [stage(t) for t in arg]
             return arg
 
@@ -247,19 +255,21 @@ def _staged(func):
     return wrapper
 
 
-def install_cpu_staging() -> list[str]:
+def install_cpu_staging(backend_cls=None) -> list[str]:
     """Wrap DeepSpeed's ``TorchBackend`` collectives with CPU staging, once; returns those wrapped.
 
     Only for DeepSpeed releases whose comm backend lacks its own staging (see
     :func:`deepspeed_mps_is_complete`); with 0.19.8 this is never called by ``install()``.
+    ``backend_cls`` defaults to ``deepspeed.comm.torch.TorchBackend``.
     """
-    from deepspeed.comm.torch import TorchBackend
+    if backend_cls is None:
+        from deepspeed.comm.torch import TorchBackend as backend_cls
 
     wrapped = []
     for name in _STAGED_COLLECTIVES:
-        fn = TorchBackend.__dict__.get(name)
+        fn = backend_cls.__dict__.get(name)
         if fn is None or getattr(fn, "_mps_fused_adam_staged", False):
             continue
-        setattr(TorchBackend, name, _staged(fn))
+        setattr(backend_cls, name, _staged(fn))
         wrapped.append(name)
     return wrapped

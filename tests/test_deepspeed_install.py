@@ -1,0 +1,149 @@
+"""``mps_fused_adam.deepspeed.install()``: redirection of DeepSpeed's op lookups, idempotence,
+order independence, clear errors for a missing or old DeepSpeed.
+
+Anything that calls ``install()`` on the real DeepSpeed runs in a fresh subprocess (install()
+changes process-wide DeepSpeed state), without a compiler or ninja on PATH.
+"""
+from __future__ import annotations
+
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "deepspeed_support"))
+import dsenv  # noqa: E402
+
+
+def _run(tmp_path, code: str, **env_extra) -> str:
+    dsenv.require_deepspeed()
+    env = dsenv.no_compiler_env(tmp_path, **env_extra)
+    proc = dsenv.run_python(["-c", textwrap.dedent(code)], env, timeout=300)
+    assert dsenv.extensions_built(tmp_path) == [], "something was JIT-built"
+    return proc.stdout
+
+
+COMMON = """
+    import sys, importlib
+    import mps_fused_adam.deepspeed as mfd
+    from mps_fused_adam.deepspeed.ops import FUSED_ADAM_OP, CPU_ADAM_OP
+"""
+
+
+def test_install_after_deepspeed_was_used(tmp_path):
+    """DeepSpeed imported, its builder names bound and its compatibility table computed before
+    install(): all are corrected."""
+    out = _run(tmp_path, COMMON + """
+    import deepspeed, deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+    table = deepspeed.ops.__compatible_ops__
+    report = mfd.install()
+    assert table is deepspeed.ops.__compatible_ops__
+    assert table["cpu_adam"] is True and table["fused_adam"] is True, table
+    assert table["deepspeed_shm_comm"] is False, table
+    from deepspeed.ops.op_builder import FusedAdamBuilder, CPUAdamBuilder, ShareMemCommBuilder
+    import deepspeed.ops.adam.fused_adam as fa, deepspeed.ops.adam.cpu_adam as ca
+    assert fa.FusedAdamBuilder is FusedAdamBuilder and ca.CPUAdamBuilder is CPUAdamBuilder
+    assert FusedAdamBuilder().load() is FUSED_ADAM_OP
+    assert CPUAdamBuilder().load() is CPU_ADAM_OP
+    acc = get_accelerator()
+    assert acc.create_op_builder("FusedAdamBuilder").load() is FUSED_ADAM_OP
+    assert acc.create_op_builder("CPUAdamBuilder").load() is CPU_ADAM_OP
+    assert acc.get_op_builder("FusedAdamBuilder") is FusedAdamBuilder
+    # Our builders are DeepSpeed's own builder classes for this accelerator, extended.
+    from deepspeed.ops.op_builder.cpu import FusedAdamBuilder as Original
+    assert issubclass(FusedAdamBuilder, Original) and FusedAdamBuilder.NAME == Original.NAME
+    # An op we ship no kernel for: unavailable, and loading it says why instead of compiling.
+    shm = acc.create_op_builder("ShareMemCommBuilder")
+    assert shm.is_compatible() is False
+    try:
+        shm.load()
+    except RuntimeError as e:
+        assert "block_jit=False" in str(e) and "deepspeed_shm_comm" in str(e), e
+    else:
+        raise AssertionError("blocked op loaded")
+    from deepspeed.comm.torch import build_shm_op
+    assert build_shm_op() is None
+    print("OK", report["accelerator"])
+    """)
+    assert "OK cpu" in out
+
+
+def test_install_is_idempotent_and_survives_reimport_and_set_accelerator(tmp_path):
+    out = _run(tmp_path, COMMON + """
+    r1 = mfd.install()
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    acc = get_accelerator()
+    cls1 = acc.get_op_builder("FusedAdamBuilder")
+    r2 = mfd.install()
+    assert r1 == r2, (r1, r2)
+    assert get_accelerator() is acc and acc.get_op_builder("FusedAdamBuilder") is cls1
+    assert acc.create_op_builder("FusedAdamBuilder").load() is FUSED_ADAM_OP
+    # deepspeed.ops.op_builder imported (again) after install(): binds the redirected classes.
+    import deepspeed.ops.op_builder as ob
+    ob = importlib.reload(ob)
+    assert ob.FusedAdamBuilder is cls1 and ob.CPUAdamBuilder().load() is CPU_ADAM_OP
+    # An accelerator set after install() is redirected too.
+    from deepspeed.accelerator import set_accelerator
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+    fresh = CPU_Accelerator()
+    set_accelerator(fresh)
+    assert get_accelerator() is fresh
+    assert fresh.create_op_builder("CPUAdamBuilder").load() is CPU_ADAM_OP
+    assert fresh.create_op_builder("ShareMemCommBuilder").is_compatible() is False
+    # DeepSpeed's optimizers built now use our kernels, and count calls.
+    import torch
+    from deepspeed.ops.adam import FusedAdam, DeepSpeedCPUAdam
+    m = torch.nn.Linear(3, 2)
+    for cls in (FusedAdam, DeepSpeedCPUAdam):
+        opt = cls(m.parameters(), lr=0.1)
+        m(torch.ones(1, 3)).sum().backward()
+        opt.step()
+    print("CALLS", sorted(mfd.kernel_calls()))
+    """)
+    assert "CALLS ['adam_update:" in out and "'multi_tensor_adam:" in out
+
+
+def test_block_jit_false_leaves_other_ops_to_deepspeed(tmp_path):
+    out = _run(tmp_path, COMMON + """
+    mfd.install(block_jit=False)
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as Original
+    acc = get_accelerator()
+    assert acc.get_op_builder("ShareMemCommBuilder") is Original
+    assert acc.create_op_builder("FusedAdamBuilder").load() is FUSED_ADAM_OP
+    mfd.install()  # back to blocking
+    assert acc.get_op_builder("ShareMemCommBuilder") is not Original
+    assert acc.create_op_builder("ShareMemCommBuilder").is_compatible() is False
+    print("OK")
+    """)
+    assert "OK" in out
+
+
+def test_missing_deepspeed_is_a_clear_import_error(monkeypatch):
+    import mps_fused_adam.deepspeed as mfd
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    with pytest.raises(ImportError, match=r"needs DeepSpeed.*pip install --no-build-isolation"):
+        mfd.install()
+
+
+def test_old_deepspeed_is_a_clear_runtime_error(monkeypatch):
+    import mps_fused_adam.deepspeed as mfd
+    fake = types.ModuleType("deepspeed")
+    fake.__version__ = "0.9.5"
+    fake.__file__ = "/somewhere/deepspeed/__init__.py"
+    monkeypatch.setitem(sys.modules, "deepspeed", fake)
+    with pytest.raises(RuntimeError, match=r"DeepSpeed >= 0\.14\.0 \(tested with 0\.19\.8\); found 0\.9\.5"):
+        mfd.install()
+
+
+def test_version_parsing():
+    from mps_fused_adam.deepspeed import _version_tuple
+    assert _version_tuple("0.19.8") == (0, 19, 8)
+    assert _version_tuple("0.14.0+cu121") == (0, 14, 0)
+    assert _version_tuple("0.15.0rc1") == (0, 15, 0)
+    assert _version_tuple("1.0") == (1, 0, 0)
+    assert _version_tuple("0.13.9") < _version_tuple("0.14.0") <= _version_tuple("0.14.0")
