@@ -42,8 +42,10 @@ def macos_at_least(major: int, minor: int = 0) -> bool:
 def deepspeed_mps_is_complete() -> bool:
     """True when the installed DeepSpeed's MPS support is the complete one (0.19.8 and later):
     its comm backend stages MPS tensors through the CPU for gloo. The stub releases lack it."""
-    import deepspeed.comm.torch as ds_torch_comm
-    return hasattr(ds_torch_comm, "stage_on_cpu")
+    import importlib
+    # importlib, not `import deepspeed.comm.torch as m`: that resolves the name `torch` on
+    # deepspeed.comm, which is the torch package itself.
+    return hasattr(importlib.import_module("deepspeed.comm.torch"), "stage_on_cpu")
 
 
 class _DeviceTensorType:
@@ -267,7 +269,7 @@ def install_cpu_staging(backend_cls=None) -> list[str]:
 
     wrapped = []
     for name in _STAGED_COLLECTIVES:
-        fn = backend_cls.__dict__.get(name)
+        fn = getattr(backend_cls, name, None)
         if fn is None or getattr(fn, "_mps_fused_adam_staged", False):
             continue
         setattr(backend_cls, name, _staged(fn))
