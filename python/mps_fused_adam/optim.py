@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from . import validate
-from .backends import get_backend
+from .backends import SUPPORTED_DTYPES, get_backend
 from .contract import AdamHyper
 
 _Params = Iterable[Any]
@@ -60,6 +60,19 @@ class _AdamBase(torch.optim.Optimizer):
                 if "step" in saved:
                     st["step"] = int(saved["step"])
 
+    def _slots(self, gi: int, params: list) -> list:
+        """Each group's states as a list aligned with its params, so a step looks states up by
+        position instead of hashing 1,000 tensors (torch's Tensor.__hash__ runs in Python).
+        Rebuilt when the group's param list, ``self.state`` or its size changes."""
+        cache = self.__dict__.setdefault("_slot_cache", {})
+        entry = cache.get(gi)
+        state = self.state
+        if (entry is None or entry[0] is not params or entry[1] != len(params) or entry[2] is not state
+                or entry[3] != len(state)):
+            slots = [state[p] if state.get(p) else None for p in params]
+            entry = cache[gi] = (params, len(params), state, len(state), slots)
+        return entry[4]
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
@@ -69,42 +82,69 @@ class _AdamBase(torch.optim.Optimizer):
                 loss = closure()
 
         # Pass 1: validate everything; nothing is written until the whole step is known good.
+        # The common case is one inline test per tensor; any failure re-runs the detailed checks,
+        # which raise with the parameter's name.
+        supported = SUPPORTED_DTYPES
+        strided = torch.strided
+        only = self._device_type
         plans = []
         for gi, group in enumerate(self.param_groups):
             validate.check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"],
                                            where=f"param_groups[{gi}]")
-            names = group.get("param_names")
+            params = group["params"]
+            slots = self._slots(gi, params)
             todo = []
-            for pi, p in enumerate(group["params"]):
+            for pi, p in enumerate(params):
                 g = p.grad
-                if g is None or p.numel() == 0:
+                if g is None:
                     continue
-                name = names[pi] if names else f"param_groups[{gi}]['params'][{pi}]"
-                validate.check_param(p, g, name, self._device_type)
-                st = self.state.get(p)
-                if st:
-                    validate.check_state(p, st, name, self._state_dtype(p))
-                todo.append((p, g, st))
-            plans.append((group, todo))
+                st = slots[pi]
+                if st is None and p.numel() == 0:
+                    continue
+                dt = p.dtype
+                shape = p.shape
+                ok = dt in supported and g.dtype is dt and g.layout is strided and g.shape == shape
+                if ok and st is not None:
+                    m, v = st.get("exp_avg"), st.get("exp_avg_sq")
+                    sd = self._state_dtype(p)
+                    ok = (isinstance(m, torch.Tensor) and isinstance(v, torch.Tensor) and m.dtype is sd
+                          and v.dtype is sd and m.shape == shape and v.shape == shape)
+                    if ok:
+                        ok = (g.is_cpu and m.is_cpu and v.is_cpu) if p.is_cpu else (
+                            g.device == p.device and m.device == p.device and v.device == p.device)
+                elif ok:
+                    ok = g.is_cpu if p.is_cpu else g.device == p.device
+                if ok and only is not None:
+                    ok = p.device.type == only
+                if not ok:
+                    names = group.get("param_names")
+                    name = names[pi] if names else f"param_groups[{gi}]['params'][{pi}]"
+                    validate.check_param(p, g, name, only)
+                    if st is not None:
+                        validate.check_state(p, st, name, self._state_dtype(p))
+                todo.append((p, g, pi))
+            plans.append((group, slots, todo))
 
         # Pass 2: create missing state, bucket by what a kernel call must share, run.
-        for group, todo in plans:
-            buckets: dict[tuple, list] = {}
-            for p, g, st in todo:
-                if not st:
-                    st = self.state[p]
+        for group, slots, todo in plans:
+            buckets: dict[tuple, tuple[list, list, list, list]] = {}
+            for p, g, pi in todo:
+                st = slots[pi]
+                if st is None:
+                    st = slots[pi] = self.state[p]
                     sd = self._state_dtype(p)
                     st["step"] = 0
                     st["exp_avg"] = torch.zeros_like(p, dtype=sd, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, dtype=sd, memory_format=torch.preserve_format)
                 step = st["step"] = int(st["step"]) + 1
-                key = (p.device, p.dtype, st["exp_avg"].dtype, step)
+                m = st["exp_avg"]
+                key = (p.device, p.dtype, m.dtype, step)
                 bucket = buckets.get(key)
                 if bucket is None:
                     bucket = buckets[key] = ([], [], [], [])
                 bucket[0].append(p)
                 bucket[1].append(g)
-                bucket[2].append(st["exp_avg"])
+                bucket[2].append(m)
                 bucket[3].append(st["exp_avg_sq"])
             beta1, beta2 = group["betas"]
             for (device, _, _, step), lists in buckets.items():
