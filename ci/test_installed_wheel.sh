@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Build the sdist and a wheel with `python -m build`, check both with ci/check_wheel.py, install
+# the wheel into a fresh virtual environment and run the whole test suite against the installed
+# package from outside the source tree, then show auditwheel's view of the wheel.
+#
+#   bash ci/test_installed_wheel.sh            (from .ci/run; PYTHON picks the interpreter)
+#
+# Extra pip arguments for the test environment (DeepSpeed for the ZeRO tests) come from
+# MFA_TEST_EXTRA_PIP, e.g. MFA_TEST_EXTRA_PIP="deepspeed==0.19.8".
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PYTHON:-python3}"
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/mfa-wheel.XXXXXX")"
+echo "release check in $WORK"
+
+"$PY" -m pip install -q build auditwheel
+
+# With build isolation the build environment gets only the build requirements (scikit-build-core,
+# nanobind, and cmake/ninja if the machine lacks them). torch must never be among them: the
+# package does not need it to build, and pulling it would cost gigabytes.
+"$PY" -m build --outdir "$WORK/dist" "$REPO" 2>&1 | tee "$WORK/build.log"
+if grep -E '^  - ' "$WORK/build.log" | grep -qi torch; then
+  echo "torch was installed into the build environment" >&2
+  exit 1
+fi
+
+shopt -s nullglob
+wheels=("$WORK"/dist/*.whl)
+sdists=("$WORK"/dist/*.tar.gz)
+if [ "${#wheels[@]}" -ne 1 ] || [ "${#sdists[@]}" -ne 1 ]; then
+  echo "expected one wheel and one sdist, got: ${wheels[*]} ${sdists[*]}" >&2
+  exit 1
+fi
+WHEEL="${wheels[0]}"
+
+# A wheel from `python -m build` on this machine is tagged linux_<arch> (not repaired), so no
+# --repaired here; the cibuildwheel builds check with --repaired.
+"$PY" "$REPO/ci/check_wheel.py" --metal-dir "$REPO/metal" "$WHEEL" "${sdists[0]}"
+
+# Reports the manylinux tag the wheel could carry and its external libraries; it must list no
+# libtorch, libc10 or OpenMP runtime (check_wheel.py has already failed the run if it did).
+auditwheel show "$WHEEL"
+
+# A fresh environment: nothing from the system site-packages or the source tree. torch pinned
+# explicitly first, so the wheel's `torch>=2.4` is already met and pip downloads no other build.
+"$PY" -m venv "$WORK/venv"
+VPY="$WORK/venv/bin/python"
+"$VPY" -m pip install -q torch==2.13.0
+# shellcheck disable=SC2086  # MFA_TEST_EXTRA_PIP is a list of requirements
+"$VPY" -m pip install -q "${WHEEL}[test]" ${MFA_TEST_EXTRA_PIP:-}
+
+# Run from an empty directory: the package is importable only from site-packages (the source
+# lives under python/, which nothing puts on sys.path), and the import check proves it.
+mkdir "$WORK/run"
+cd "$WORK/run"
+"$VPY" - "$REPO" <<'EOF'
+import pathlib, sys
+import mps_fused_adam
+where = pathlib.Path(mps_fused_adam.__file__).resolve()
+repo = pathlib.Path(sys.argv[1]).resolve()
+assert "site-packages" in where.parts and repo not in where.parents, f"imported from {where}"
+print(f"mps_fused_adam {mps_fused_adam.__version__} from {where.parent}")
+EOF
+MFA_WHEEL="$WHEEL" "$VPY" -m pytest "$REPO/tests" -ra -p no:cacheprovider
