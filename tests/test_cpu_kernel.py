@@ -131,3 +131,19 @@ def test_set_simd_path_rejects_unknown():
 def test_bad_dtype_codes_rejected():
     with pytest.raises(ValueError, match="states are float32 or the param dtype"):
         _cpu.adam_step([], [], [], [], [], 0, 2, *([0.0] * 9), 1, 0, 1)
+
+
+def test_simd_env_override_and_warning(tmp_path):
+    import subprocess
+    import sys
+    code = ("import warnings, mps_fused_adam as m\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    info = m.backend_info()['cpu']\n"
+            "print(info['simd'], len(w))")
+    env = dict(__import__("os").environ, MPS_FUSED_ADAM_SIMD="scalar")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["scalar", "0"]
+    env["MPS_FUSED_ADAM_SIMD"] = "sse9"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == [_cpu.simd_paths()[0], "1"]

@@ -8,6 +8,7 @@ cannot leave tensors half-updated.
 """
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from typing import Callable, Protocol, Sequence
@@ -70,6 +71,10 @@ class CPUBackend:
         from . import _cpu  # noqa: F401  (ImportError tells the caller why this tier is out)
         self._cpu = _cpu
         self.simd = _cpu.simd_path()
+        wanted = os.environ.get("MPS_FUSED_ADAM_SIMD")
+        if wanted and wanted != self.simd:
+            warnings.warn(f"mps_fused_adam: MPS_FUSED_ADAM_SIMD={wanted!r} is not supported on this CPU "
+                          f"(supported: {', '.join(_cpu.simd_paths())}); using {self.simd}", RuntimeWarning)
 
     def update(self, params, grads, exp_avgs, exp_avg_sqs, hp: AdamHyper) -> None:
         self._cpu.adam_step(
