@@ -3,7 +3,7 @@
 - :func:`build_emulator` compiles ``metal/fused_adam.metal`` as C++ (through ``metal_compat.h``)
   together with ``metal_emulator.cpp`` and loads it with ctypes: :class:`Emulator`.
 - :class:`FakeMetalExt` has the call surface of the ``_metal`` extension (src/metal/metal_adam.mm):
-  ``load(metallib_path, libtorch_path)`` and ``adam_step(params, grads, exp_avgs, exp_avg_sqs, param_code, state_code,
+  ``load(metallib_path)`` and ``adam_step(params, grads, exp_avgs, exp_avg_sqs, param_code, state_code,
   hyper_bytes)`` with ``(buffer handle, byte offset, numel)`` triples; on CPU tensors the handle is
   the host address, so it runs the emulator where the real one encodes a Metal dispatch.
 - :class:`FakeMpsApi` has ``load_metallib`` and ``compile_shader`` returning a :class:`FakeLibrary`
@@ -142,12 +142,10 @@ class FakeMetalExt:
         self.loaded: list[str] = []
         self.calls: list[tuple] = []
 
-    def load(self, path: str, libtorch_path: str) -> None:
+    def load(self, path: str) -> None:
         if not Path(path).is_file():
             raise RuntimeError(f"cannot load {path}")
-        if not Path(libtorch_path).is_file():  # the real one dlopens it with RTLD_NOLOAD
-            raise RuntimeError(f"libtorch is not loaded from {libtorch_path}")
-        self.loaded.append((path, libtorch_path))
+        self.loaded.append(path)
 
     def adam_step(self, params, grads, exp_avgs, exp_avg_sqs, param_code: int, state_code: int,
                   hyper: bytes) -> None:

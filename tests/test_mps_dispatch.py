@@ -19,7 +19,6 @@ from mps_fused_adam import backends
 from mps_fused_adam.contract import AdamHyper, kernel_scalars
 from mps_fused_adam.mps_backends import (KERNELS, MAX_THREADS_PER_DISPATCH, METALLIB_NAME,
                                          ShaderLibraryBackend, dispatch_plan, find_metal_source,
-                                         libtorch_cpu_path,
                                          mps_tiers, pack_params, params_as_words)
 from mps_fused_adam.reference import reference_adam_
 
@@ -111,9 +110,7 @@ def test_tiers_agree_bit_for_bit_with_reference(emu, pkg, pair, mode):
 def test_tier1_arguments(emu, pkg):
     ext = FakeMetalExt(emu)
     backend = make_backend(1, pkg, emu, ext=ext)
-    assert backend.name == "metal"
-    assert ext.loaded == [(str(pkg / METALLIB_NAME), str(libtorch_cpu_path()))]
-    assert libtorch_cpu_path().is_file()  # the libtorch this process loaded, where _metal looks
+    assert backend.name == "metal" and ext.loaded == [str(pkg / METALLIB_NAME)]
     t = group_tensors(torch.bfloat16, torch.float32)
     hp = hyper(7, adam_w_mode=False, maximize=True)
     backend.update(t["p"], t["g"], t["m"], t["v"], hp)

@@ -19,7 +19,6 @@ buffer 5 ``base`` and buffer 6 ``n`` (64-bit); each thread handles 4 elements fr
 from __future__ import annotations
 
 import struct
-import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -90,12 +89,6 @@ def mps_buffer(t: torch.Tensor) -> tuple[int, int, int]:
     return (t.untyped_storage().data_ptr(), t.storage_offset() * t.element_size(), t.numel())
 
 
-def libtorch_cpu_path() -> Path:
-    """The libtorch that ``import torch`` loaded: ``_metal`` looks the torch::mps functions up in it."""
-    suffix = ".dylib" if sys.platform == "darwin" else ".so"
-    return Path(torch.__file__).resolve().parent / "lib" / f"libtorch_cpu{suffix}"
-
-
 def torch_version() -> tuple[int, int]:
     major, minor = torch.__version__.split("+")[0].split(".")[:2]
     return int(major), int(minor)
@@ -123,9 +116,9 @@ class MetalExtBackend:
     def __init__(self, ext: Any, metallib: Path, buffer_of: Callable = mps_buffer) -> None:
         if not metallib.is_file():
             raise FileNotFoundError(f"bundled metallib missing: {metallib}")
-        # Raises with Metal's own error text if the library is unusable, or if this torch's
+        # Raises with Metal's own error text if the library is unusable, or if the loaded
         # libtorch lacks the torch::mps functions.
-        ext.load(str(metallib), str(libtorch_cpu_path()))
+        ext.load(str(metallib))
         self._ext = ext
         self._buffer_of = buffer_of
 

@@ -1,19 +1,15 @@
-// The `_metal` extension: runs the kernels of metal/fused_adam.metal (prebuilt into
-// fused_adam.metallib) on PyTorch's MPS stream. One call per group encodes every tensor into one
-// compute encoder on PyTorch's current command buffer, under PyTorch's dispatch queue; it never
-// waits for the GPU and allocates nothing per step beyond the encoder itself.
-//
-// Python surface (used by python/mps_fused_adam/mps_backends.py, mirrored by tests/emulated_mps.py):
-//   load(metallib_path, libtorch_path)   load the library, build the pipelines and bind the
-//       torch::mps functions, once per process
-//   adam_step(params, grads, exp_avgs, exp_avg_sqs, param_code, state_code, hyper)
-//       each list holds (MTLBuffer handle, byte offset, numel) per tensor; codes 0 float, 1 half,
-//       2 bfloat; hyper is the 44-byte AdamParams struct (contract.KernelScalars order).
+// The `_metal` extension: runs metal/fused_adam.metal's kernels (fused_adam.metallib) on PyTorch's
+// MPS stream. load(metallib_path) loads the library and pipelines once. adam_step(params, grads,
+// exp_avgs, exp_avg_sqs, param_code, state_code, hyper) encodes a group's tensors, each given as
+// (MTLBuffer handle, byte offset, numel), into one compute encoder on PyTorch's command buffer,
+// under PyTorch's dispatch queue, without waiting for the GPU. Codes: 0 float, 1 half, 2 bfloat;
+// hyper: the 44-byte AdamParams. Caller: mps_backends.py; stand-in: tests/emulated_mps.py.
 // Untested on Apple hardware until the release pipeline's Apple Silicon job has run.
 #import <Foundation/Foundation.h>
 #import <Metal/Metal.h>
 
 #include <dlfcn.h>
+#include <mach-o/dyld.h>
 #include <nanobind/nanobind.h>
 
 #include <algorithm>
@@ -28,11 +24,9 @@ namespace nb = nanobind;
 
 namespace {
 
-// torch/mps.h (torch 2.13): MTLCommandBuffer_t get_command_buffer(); DispatchQueue_t
-// get_dispatch_queue(); void commit(); with MTLCommandBuffer_t = id<MTLCommandBuffer> and
-// DispatchQueue_t = dispatch_queue_t. Nothing of torch is used at build time: the functions are
-// looked up by their C++ names (no version in them) in the libtorch_cpu that `import torch` loaded,
-// which works however Python loaded it (RTLD_LOCAL included) and fails with a clear message.
+// torch/mps.h (2.13): MTLCommandBuffer_t (= id<MTLCommandBuffer>) get_command_buffer(),
+// DispatchQueue_t (= dispatch_queue_t) get_dispatch_queue(), void commit(). No torch at build
+// time: they are looked up by their version-free C++ names in the libtorch `import torch` loaded.
 struct TorchMps {
   id<MTLCommandBuffer> (*get_command_buffer)();
   dispatch_queue_t (*get_dispatch_queue)();
@@ -79,14 +73,28 @@ Fn torch_symbol(void* libtorch, const char* name) {
   return reinterpret_cast<Fn>(sym);
 }
 
-void load(const std::string& path, const std::string& libtorch_path) {
+// The libtorch_cpu that `import torch` loaded, found among the process's images by name and
+// opened with RTLD_NOLOAD, so a second copy can never be loaded.
+void* loaded_libtorch() {
+  static const char kName[] = "/libtorch_cpu.dylib";
+  for (uint32_t i = 0; i < _dyld_image_count(); ++i) {
+    const char* image = _dyld_get_image_name(i);
+    const size_t len = std::strlen(image);
+    if (len >= sizeof kName - 1 && std::strcmp(image + len - (sizeof kName - 1), kName) == 0) {
+      return dlopen(image, RTLD_LAZY | RTLD_NOLOAD);
+    }
+  }
+  return nullptr;
+}
+
+void load(const std::string& path) {
   std::lock_guard<std::mutex> lock(g_load_mutex);
   if (g_loaded) {
     return;
   }
-  void* libtorch = dlopen(libtorch_path.c_str(), RTLD_LAZY | RTLD_NOLOAD);  // only if loaded
+  void* libtorch = loaded_libtorch();
   if (libtorch == nullptr) {
-    fail("libtorch is not loaded from " + libtorch_path, nil);
+    fail("libtorch_cpu is not loaded (import torch first)", nil);
   }
   g_torch.get_command_buffer = torch_symbol<id<MTLCommandBuffer> (*)()>(
       libtorch, "_ZN5torch3mps18get_command_bufferEv");
@@ -206,7 +214,7 @@ void adam_step(nb::list params, nb::list grads, nb::list exp_avgs, nb::list exp_
 
 NB_MODULE(_metal, m) {
   m.doc() = "Fused Adam Metal kernels dispatched on PyTorch's MPS stream";
-  m.def("load", &load, nb::arg("metallib_path"), nb::arg("libtorch_path"));
+  m.def("load", &load, nb::arg("metallib_path"));
   m.def("adam_step", &adam_step, nb::arg("params"), nb::arg("grads"), nb::arg("exp_avgs"),
         nb::arg("exp_avg_sqs"), nb::arg("param_code"), nb::arg("state_code"), nb::arg("hyper"));
 }
