@@ -102,3 +102,30 @@ def test_benchmark_section_runs_through_emulated_tiers(tmp_path):
     assert all(r["ns_per_elem"] > 0 and r["gb_per_s"] > 0 for r in rows)
     assert bench_mps._bytes_per_elem(torch.float32, torch.float32) == 28
     assert bench_mps._bytes_per_elem(torch.bfloat16, torch.float32) == 22
+
+
+def _clang() -> str | None:
+    for name in ("clang++", *(f"clang++-{v}" for v in range(20, 13, -1))):
+        if shutil.which(name):
+            return name
+    return None
+
+
+def test_objective_cpp_parses_against_documented_api():
+    """clang parses metal_adam.mm in Objective-C++/ARC mode against tests/objc_stubs, which declare
+    only the Foundation/Metal/dyld API it uses, as Apple documents it (a wrong selector, argument
+    type or block capture fails here). Syntax and types only: nothing runs."""
+    import subprocess
+    import sysconfig
+    clang = _clang()
+    if clang is None:
+        pytest.skip("no clang++ on PATH (Debian: apt-get install clang)")
+    nanobind = pytest.importorskip("nanobind")
+    nb_inc = Path(nanobind.include_dir())
+    cmd = [clang, "-fsyntax-only", "-x", "objective-c++", "-std=c++17", "-fobjc-arc", "-fblocks",
+           "-fobjc-runtime=macosx-14.0", "-Wall", "-Wextra", "-Werror",
+           f"-I{Path(__file__).parent / 'objc_stubs'}", f"-I{nb_inc}",
+           f"-I{nb_inc.parent / 'ext' / 'robin_map' / 'include'}",
+           f"-I{sysconfig.get_paths()['include']}", str(MM)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
