@@ -161,7 +161,8 @@ class _FakeBackend:
 def test_cpu_staging_wrapper(monkeypatch):
     """MPS tensors reach gloo as CPU copies and get the results back (after wait() when async)."""
     from mps_fused_adam.deepspeed import accelerator
-    monkeypatch.setattr(accelerator, "_needs_staging", lambda t: isinstance(t, torch.Tensor) and getattr(t, "on_mps", False))
+    monkeypatch.setattr(accelerator, "_needs_staging",
+                        lambda t: isinstance(t, torch.Tensor) and getattr(t, "on_mps", False))
     monkeypatch.setattr(accelerator, "_to_host", lambda t: t.clone())
 
     class Backend(_FakeBackend):

@@ -90,7 +90,7 @@ def test_multi_tensor_adam_mixed_lists_leaf_bf16_and_noncontiguous():
     params = [leaf, view, p16, empty]
     grads = [torch.randn(33), torch.randn(6, 8), torch.randn(9, dtype=torch.float16), torch.empty(0)]
     grads_as_param = [grads[0].to(torch.bfloat16), grads[1], grads[2], grads[3]]
-    ms = [torch.zeros(33, dtype=torch.bfloat16), torch.zeros(6, 8).t().contiguous().t(), torch.zeros(9, dtype=torch.float16),
+    ms = [torch.zeros(33, dtype=torch.bfloat16), torch.zeros(8, 6).t(), torch.zeros(9, dtype=torch.float16),
           torch.empty(0)]
     vs = [torch.zeros_like(m) for m in ms]
     refs = [(p.detach().clone(), g.clone(), m.clone(), v.clone()) for p, g, m, v in zip(params, grads_as_param, ms, vs)]

@@ -106,7 +106,7 @@ def install(block_jit: bool = True, use_mps: bool | None = None) -> Dict[str, An
         ImportError: DeepSpeed is not installed. RuntimeError: it is older than ``MIN_DEEPSPEED``.
     """
     deepspeed = _import_deepspeed()
-    from deepspeed.accelerator import get_accelerator, set_accelerator  # noqa: F401
+    from deepspeed.accelerator import get_accelerator
 
     from .builders import OUR_OPS, Redirect, patch_accelerator, rebind_names, refresh_compatibility
 

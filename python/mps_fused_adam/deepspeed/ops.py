@@ -13,7 +13,6 @@ This module does not import DeepSpeed.
 from __future__ import annotations
 
 import threading
-import warnings
 from collections import Counter
 from typing import Dict, List, Sequence, Tuple
 
