@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import os
@@ -124,6 +125,8 @@ def build_emulator(source_text: str | None = None) -> Emulator:
     if key not in _cache:
         if not _tmp_root:
             _tmp_root.append(Path(tempfile.mkdtemp(prefix="mfa-emulator-")))
+            # A loaded shared object may be unlinked on Linux; the mapping stays valid.
+            atexit.register(shutil.rmtree, _tmp_root[0], ignore_errors=True)
         lib = compile_emulator(text, _tmp_root[0] / key[:16])
         _cache[key] = Emulator(lib, text)
     return _cache[key]

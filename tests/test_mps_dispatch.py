@@ -95,7 +95,7 @@ def run_reference(t, steps=3, **mode):
                          ids=["adamw", "l2-max", "adamw-nobc"])
 @pytest.mark.parametrize("pair", PAIRS, ids=PAIR_IDS)
 def test_tiers_agree_bit_for_bit_with_reference(emu, pkg, pair, mode):
-    start = group_tensors(*pair, seed=hash(PAIR_IDS[PAIRS.index(pair)]) % 1000)
+    start = group_tensors(*pair, seed=PAIRS.index(pair))
     want = clone_group(start)
     run_reference(want, **mode)
     for tier in (1, 2, 3):

@@ -151,7 +151,7 @@ class ShaderLibraryBackend:
         fn = self._fns.get(key)
         if fn is None:
             fn = self._fns[key] = getattr(self._lib, KERNELS[key])
-        return fn, min(THREADGROUP_SIZE, int(fn.max_threads_per_threadgroup))
+        return fn, min(THREADGROUP_SIZE, int(getattr(fn, "max_threads_per_threadgroup", THREADGROUP_SIZE)))
 
     def update(self, params, grads, exp_avgs, exp_avg_sqs, hp: AdamHyper) -> None:
         fn, group = self._kernel((params[0].dtype, exp_avgs[0].dtype))
