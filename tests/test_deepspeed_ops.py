@@ -318,3 +318,53 @@ def test_against_deepspeeds_own_cpu_adam(cpu_op):
         assert rel(x, sx) <= 1e-5, f"DeepSpeed's rollback left {name} {rel(x, sx):.2e} from its pre-step state"
         assert rel(y, sy) <= 1e-5, f"our rollback left {name} {rel(y, sy):.2e} from its pre-step state"
         assert rel(x, y) <= 3e-5, f"rollback: {name} differs from DeepSpeed's by {rel(x, y):.2e}"
+
+
+def test_adam_rollback_non_finite_param_becomes_zero(cpu_op):
+    """DeepSpeed's rollback replaces a non-finite restored parameter by 0; so does ours."""
+    cpu_op.create_adam(6, adamw_mode=True)
+    p, g, m, v = _state(8, torch.float32, torch.float32, seed=12)
+    p[3] = float("inf")
+    cpu_op.adam_rollback(6, 2, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, p, g, m, v)
+    assert p[3].item() == 0.0 and torch.isfinite(p).all()
+
+
+def test_redirect_policy():
+    """Which builder class DeepSpeed gets: ours for the two Adam ops, an unavailable subclass for
+    ops we ship no kernel for, DeepSpeed's own for prebuilt ops, None where DeepSpeed has none."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "deepspeed_support"))
+    import dsenv
+    dsenv.require_deepspeed()
+    from mps_fused_adam.deepspeed import builders
+
+    class Base:
+        NAME = "base"
+
+        def __init__(self):
+            self.name = self.NAME
+
+        def is_compatible(self, verbose=False):
+            return True
+
+    class Shm(Base):
+        NAME = "deepspeed_shm_comm"
+
+    class Fused(Base):
+        NAME = "fused_adam"
+
+    table = {"ShareMemCommBuilder": Shm, "FusedAdamBuilder": Fused}
+    redirect = builders.Redirect(block_jit=True)
+    redirect.prebuilt = set()
+    fused = redirect.resolve("FusedAdamBuilder", table.get)
+    assert issubclass(fused, Fused) and fused.NAME == "fused_adam"
+    assert fused().load() is ops.FUSED_ADAM_OP and fused().is_compatible()
+    assert redirect.resolve("FusedAdamBuilder", table.get) is fused  # the same class every time
+    shm = redirect.resolve("ShareMemCommBuilder", table.get)
+    assert issubclass(shm, Shm) and shm.NAME == "deepspeed_shm_comm" and not shm().is_compatible()
+    with pytest.raises(RuntimeError, match="would be JIT-compiled"):
+        shm().load()
+    assert redirect.resolve("ShareMemCommBuilder", lambda name: shm) is shm  # never wrapped twice
+    assert redirect.resolve("NoSuchBuilder", table.get) is None
+    redirect.prebuilt = {"deepspeed_shm_comm"}  # DS_BUILD_OPS=1 installs: loading compiles nothing
+    assert redirect.resolve("ShareMemCommBuilder", table.get) is Shm
+    assert builders.Redirect(block_jit=False).resolve("ShareMemCommBuilder", table.get) is Shm
