@@ -22,6 +22,12 @@
 #ifndef FUSED_ADAM_HOST_EMULATOR
 #include <metal_stdlib>
 using namespace metal;
+#if __METAL_VERSION__ >= 320
+// IEEE math and no contraction whatever the compile options: tier 3 compiles this text at run time
+// with options chosen by torch, not by us. (The metallib is also built with -fno-fast-math.)
+#pragma METAL fp math_mode(safe)
+#pragma METAL fp contract(off)
+#endif
 #endif
 
 struct AdamParams {
