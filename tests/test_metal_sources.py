@@ -129,3 +129,55 @@ def test_objective_cpp_parses_against_documented_api():
            f"-I{sysconfig.get_paths()['include']}", str(MM)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_apple_cmake_builds_the_metallib_with_the_documented_commands(tmp_path):
+    """cmake/apple_metal.cmake configured and its metallib target built on Linux, with `xcrun`
+    replaced by a recorder: the AIR compile and metallib link commands it would run on a Mac."""
+    import subprocess
+    import sys
+    cmake, clang = shutil.which("cmake"), _clang()
+    if cmake is None or clang is None or shutil.which("make") is None:
+        pytest.skip("needs cmake, make and clang++ (as the Objective-C++ compiler)")
+    pytest.importorskip("nanobind")
+    bin_dir, src, log = tmp_path / "bin", tmp_path / "src", tmp_path / "xcrun.log"
+    bin_dir.mkdir()
+    (bin_dir / "xcrun").write_text(
+        "#!/bin/sh\n"
+        f'echo "$*" >> "{log}"\n'
+        'out=""; prev=""\n'
+        'for a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done\n'
+        '[ -n "$out" ] && touch "$out"\n'
+        "exit 0\n")
+    (bin_dir / "xcrun").chmod(0o755)
+    src.mkdir()
+    (src / "src").mkdir()
+    for link, target in (("cmake", "cmake"), ("metal", "metal"), ("src/metal", "src/metal")):
+        (src / link).symlink_to(REPO / target)
+    (src / "CMakeLists.txt").write_text(
+        "cmake_minimum_required(VERSION 3.18)\nproject(mps_fused_adam LANGUAGES CXX)\n"
+        "set(CMAKE_CXX_STANDARD 17)\n"
+        "find_package(Python 3.10 COMPONENTS Interpreter Development.Module REQUIRED)\n"
+        'execute_process(COMMAND "${Python_EXECUTABLE}" -m nanobind --cmake_dir '
+        "OUTPUT_STRIP_TRAILING_WHITESPACE OUTPUT_VARIABLE nanobind_ROOT)\n"
+        "find_package(nanobind CONFIG REQUIRED)\ninclude(cmake/apple_metal.cmake)\n")
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    # Linux has no Metal/Foundation frameworks: any existing file stands in for find_library.
+    fake_fw = sys.executable
+    configure = [cmake, "-G", "Unix Makefiles", "-S", str(src), "-B", str(tmp_path / "build"),
+                 f"-DCMAKE_OBJCXX_COMPILER={clang}",
+                 f"-DPython_EXECUTABLE={sys.executable}",
+                 f"-DMFA_METAL_FRAMEWORK={fake_fw}", f"-DMFA_FOUNDATION_FRAMEWORK={fake_fw}"]
+    for cmd in (configure, [cmake, "--build", str(tmp_path / "build"), "--target", "mfa_metallib"]):
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = log.read_text().splitlines()
+    build = tmp_path / "build"
+    assert calls == [
+        "-sdk macosx -f metal",
+        f"-sdk macosx metal -std=metal3.1 -mmacosx-version-min=14.0 -fno-fast-math -Wall -Wextra "
+        f"-c {src / 'metal' / 'fused_adam.metal'} -o {build / 'fused_adam.air'}",
+        f"-sdk macosx metallib {build / 'fused_adam.air'} -o {build / 'fused_adam.metallib'}",
+    ]
+    flags = (build / "CMakeFiles" / "_metal.dir" / "flags.make").read_text()
+    assert "-fobjc-arc" in flags
