@@ -15,6 +15,7 @@ from .backends import SUPPORTED_DTYPES, get_backend
 from .contract import AdamHyper
 
 _Params = Iterable[Any]
+_CPU = torch.device("cpu")
 
 
 class _AdamBase(torch.optim.Optimizer):
@@ -27,9 +28,11 @@ class _AdamBase(torch.optim.Optimizer):
         validate.check_hyperparameters(defaults["lr"], defaults["betas"], defaults["eps"], defaults["weight_decay"])
         super().__init__(params, defaults)
 
-    # The dtype the moment estimates are kept in; Adam/AdamW/FusedAdam follow torch (the param's).
+    # The dtype the moment estimates are kept in: a fixed one, or (None) the param's, as torch does.
+    _fixed_state_dtype: Optional[torch.dtype] = None
+
     def _state_dtype(self, p: torch.Tensor) -> torch.dtype:
-        return p.dtype
+        return self._fixed_state_dtype or p.dtype
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -80,80 +83,96 @@ class _AdamBase(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-
-        # Pass 1: validate everything; nothing is written until the whole step is known good.
-        # The common case is one inline test per tensor; any failure re-runs the detailed checks,
-        # which raise with the parameter's name.
-        supported = SUPPORTED_DTYPES
-        strided = torch.strided
-        only = self._device_type
-        plans = []
-        for gi, group in enumerate(self.param_groups):
-            validate.check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"],
-                                           where=f"param_groups[{gi}]")
-            params = group["params"]
-            slots = self._slots(gi, params)
-            todo = []
-            for pi, p in enumerate(params):
-                g = p.grad
-                if g is None:
-                    continue
-                st = slots[pi]
-                if st is None and p.numel() == 0:
-                    continue
-                dt = p.dtype
-                shape = p.shape
-                ok = dt in supported and g.dtype is dt and g.layout is strided and g.shape == shape
-                if ok and st is not None:
-                    m, v = st.get("exp_avg"), st.get("exp_avg_sq")
-                    sd = self._state_dtype(p)
-                    ok = (isinstance(m, torch.Tensor) and isinstance(v, torch.Tensor) and m.dtype is sd
-                          and v.dtype is sd and m.shape == shape and v.shape == shape)
-                    if ok:
-                        ok = (g.is_cpu and m.is_cpu and v.is_cpu) if p.is_cpu else (
-                            g.device == p.device and m.device == p.device and v.device == p.device)
-                elif ok:
-                    ok = g.is_cpu if p.is_cpu else g.device == p.device
-                if ok and only is not None:
-                    ok = p.device.type == only
-                if not ok:
-                    names = group.get("param_names")
-                    name = names[pi] if names else f"param_groups[{gi}]['params'][{pi}]"
-                    validate.check_param(p, g, name, only)
-                    if st is not None:
-                        validate.check_state(p, st, name, self._state_dtype(p))
-                todo.append((p, g, pi))
-            plans.append((group, slots, todo))
-
-        # Pass 2: create missing state, bucket by what a kernel call must share, run.
-        for group, slots, todo in plans:
-            buckets: dict[tuple, tuple[list, list, list, list]] = {}
-            for p, g, pi in todo:
-                st = slots[pi]
-                if st is None:
-                    st = slots[pi] = self.state[p]
-                    sd = self._state_dtype(p)
-                    st["step"] = 0
-                    st["exp_avg"] = torch.zeros_like(p, dtype=sd, memory_format=torch.preserve_format)
-                    st["exp_avg_sq"] = torch.zeros_like(p, dtype=sd, memory_format=torch.preserve_format)
-                step = st["step"] = int(st["step"]) + 1
-                m = st["exp_avg"]
-                key = (p.device, p.dtype, m.dtype, step)
+        # One pass validates every tensor and sorts it into kernel calls; nothing is written
+        # (no state created, no step counted) until the whole step is known good.
+        plans = [self._plan_group(gi, group) for gi, group in enumerate(self.param_groups)]
+        for group, fresh, buckets in plans:
+            for p, pi, slots in fresh:
+                st = slots[pi] = self.state[p]
+                sd = self._state_dtype(p)
+                st["step"] = 0
+                st["exp_avg"] = torch.zeros_like(p, dtype=sd, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, dtype=sd, memory_format=torch.preserve_format)
+                key = (p.device, p.dtype, sd, 0)
                 bucket = buckets.get(key)
                 if bucket is None:
-                    bucket = buckets[key] = ([], [], [], [])
+                    bucket = buckets[key] = ([], [], [], [], [])
                 bucket[0].append(p)
-                bucket[1].append(g)
-                bucket[2].append(m)
+                bucket[1].append(p.grad)
+                bucket[2].append(st["exp_avg"])
                 bucket[3].append(st["exp_avg_sq"])
+                bucket[4].append(st)
             beta1, beta2 = group["betas"]
-            for (device, _, _, step), lists in buckets.items():
+            for (device, _, _, last_step), (ps, gs, ms, vs, states) in buckets.items():
+                step = int(last_step) + 1
+                for st in states:
+                    st["step"] = step
                 hp = AdamHyper(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                                weight_decay=float(group["weight_decay"]), step=step,
                                adam_w_mode=bool(group["adam_w_mode"]), bias_correction=bool(group["bias_correction"]),
                                maximize=bool(group["maximize"]))
-                _run(get_backend(device), lists, hp)
+                _run(get_backend(device), (ps, gs, ms, vs), hp)
         return loss
+
+    def _plan_group(self, gi: int, group: dict[str, Any]) -> tuple[dict[str, Any], list, dict]:
+        """Validate one group; return it, its params that need new state, and its kernel calls
+        keyed by (device, param dtype, state dtype, step count so far)."""
+        validate.check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"],
+                                       where=f"param_groups[{gi}]")
+        params = group["params"]
+        slots = self._slots(gi, params)
+        supported, strided, only = SUPPORTED_DTYPES, torch.strided, self._device_type
+        fresh: list = []
+        buckets: dict[tuple, tuple[list, list, list, list, list]] = {}
+        fixed_sd = self._fixed_state_dtype
+        cpu = _CPU
+        for pi, p in enumerate(params):
+            g = p.grad
+            if g is None:
+                continue
+            st = slots[pi]
+            dt = p.dtype
+            shape = p.shape
+            on_cpu = p.is_cpu
+            # The common case is this one expression per tensor; any failure (an AttributeError
+            # included: a state entry that is not a tensor) re-runs the detailed checks, which
+            # raise naming the parameter.
+            try:
+                ok = dt in supported and g.dtype is dt and g.layout is strided and g.shape == shape
+                if st is None:
+                    if p.numel() == 0:
+                        continue
+                    m = v = None
+                    ok = ok and (g.is_cpu if on_cpu else g.device == p.device)
+                else:
+                    m, v = st.get("exp_avg"), st.get("exp_avg_sq")
+                    sd = fixed_sd or dt
+                    ok = (ok and m.dtype is sd and v.dtype is sd and m.shape == shape and v.shape == shape
+                          and ((g.is_cpu and m.is_cpu and v.is_cpu) if on_cpu else
+                               (g.device == p.device and m.device == p.device and v.device == p.device)))
+                if ok and only is not None:
+                    ok = p.device.type == only
+            except AttributeError:
+                ok = False
+            if not ok:
+                names = group.get("param_names")
+                name = names[pi] if names else f"param_groups[{gi}]['params'][{pi}]"
+                validate.check_param(p, g, name, only)
+                if st is not None:
+                    validate.check_state(p, st, name, self._state_dtype(p))
+            if st is None:
+                fresh.append((p, pi, slots))
+                continue
+            key = (cpu if on_cpu else p.device, dt, m.dtype, st.get("step", 0))
+            bucket = buckets.get(key)
+            if bucket is None:
+                bucket = buckets[key] = ([], [], [], [], [])
+            bucket[0].append(p)
+            bucket[1].append(g)
+            bucket[2].append(m)
+            bucket[3].append(v)
+            bucket[4].append(st)
+        return group, fresh, buckets
 
 
 def _run(backend, lists: tuple[list, list, list, list], hp: AdamHyper) -> None:
@@ -256,5 +275,6 @@ class CPUAdam(_AdamBase):
         super().__init__(model_params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                             adam_w_mode=adamw_mode, bias_correction=bias_correction, maximize=False))
 
-    def _state_dtype(self, p: torch.Tensor) -> torch.dtype:
-        return torch.float32 if self.fp32_optimizer_states else p.dtype
+    @property
+    def _fixed_state_dtype(self) -> Optional[torch.dtype]:  # type: ignore[override]
+        return torch.float32 if self.fp32_optimizer_states else None
