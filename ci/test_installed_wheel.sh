@@ -5,8 +5,7 @@
 #
 #   bash ci/test_installed_wheel.sh            (from .ci/run; PYTHON picks the interpreter)
 #
-# Extra pip arguments for the test environment (DeepSpeed for the ZeRO tests) come from
-# MFA_TEST_EXTRA_PIP, e.g. MFA_TEST_EXTRA_PIP="deepspeed==0.19.8".
+# MFA_DEEPSPEED=VERSION also installs DeepSpeed into the test environment (for the ZeRO tests).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -47,14 +46,23 @@ auditwheel show "$WHEEL"
 "$PY" -m venv "$WORK/venv"
 VPY="$WORK/venv/bin/python"
 "$VPY" -m pip install -q torch==2.13.0
-# shellcheck disable=SC2086  # MFA_TEST_EXTRA_PIP is a list of requirements
-"$VPY" -m pip install -q "${WHEEL}[test]" ${MFA_TEST_EXTRA_PIP:-}
+"$VPY" -m pip install -q "${WHEEL}[test]"
+if [ -n "${MFA_DEEPSPEED:-}" ]; then
+  # DeepSpeed is an sdist whose setup.py imports torch: with build isolation pip would fetch an
+  # unpinned torch (gigabytes) into the build environment. Build it against the venv's torch,
+  # with the pin as a constraint so nothing can replace it, and prebuild no ops.
+  printf 'torch==2.13.0\n' > "$WORK/constraints.txt"
+  "$VPY" -m pip install -q -c "$WORK/constraints.txt" setuptools wheel
+  DS_BUILD_OPS=0 "$VPY" -m pip install -q --no-build-isolation -c "$WORK/constraints.txt" "deepspeed==${MFA_DEEPSPEED}"
+  "$VPY" -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+fi
 
-# Run from an empty directory: the package is importable only from site-packages (the source
-# lives under python/, which nothing puts on sys.path), and the import check proves it.
-mkdir "$WORK/run"
-cd "$WORK/run"
-"$VPY" - "$REPO" <<'EOF'
+# The README's commands, run from the checkout with the venv first on PATH: the package is
+# importable only from site-packages (the source lives under python/, which nothing puts on
+# sys.path), and the import check proves it.
+cd "$REPO"
+export PATH="$WORK/venv/bin:$PATH"
+python - "$REPO" <<'EOF'
 import pathlib, sys
 import mps_fused_adam
 where = pathlib.Path(mps_fused_adam.__file__).resolve()
@@ -62,4 +70,5 @@ repo = pathlib.Path(sys.argv[1]).resolve()
 assert "site-packages" in where.parts and repo not in where.parents, f"imported from {where}"
 print(f"mps_fused_adam {mps_fused_adam.__version__} from {where.parent}")
 EOF
-MFA_WHEEL="$WHEEL" "$VPY" -m pytest "$REPO/tests" -ra -p no:cacheprovider
+python -m mps_fused_adam
+MFA_WHEEL="$WHEEL" python -m pytest tests -ra -p no:cacheprovider
