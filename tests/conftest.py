@@ -38,3 +38,36 @@ def require_tool(*names: str) -> list[str]:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
+
+
+@pytest.fixture(scope="session")
+def emu():
+    """The host emulator: metal/fused_adam.metal compiled as C++ (tests/emulated_mps.py)."""
+    from emulated_mps import build_emulator
+    return build_emulator()
+
+
+@pytest.fixture
+def pkg(tmp_path):
+    """A package directory laid out as the wheel installs it (the metallib is a placeholder:
+    the stand-in library runs the emulator built from the same source)."""
+    from emulated_mps import METAL_SOURCE
+    from mps_fused_adam.mps_backends import METALLIB_NAME
+    (tmp_path / METALLIB_NAME).write_bytes(b"MTLB placeholder")
+    (tmp_path / "metal").mkdir()
+    shutil.copy(METAL_SOURCE, tmp_path / "metal" / "fused_adam.metal")
+    return tmp_path
+
+
+def mps_available() -> bool:
+    """MPS usable for numerics. MFA_NO_MPS=1 says no (GitHub's hosted macOS runners report MPS
+    but cannot run it); MFA_REQUIRE_MPS=1 (the Apple Silicon job) turns its absence into failures."""
+    mps = getattr(torch.backends, "mps", None)
+    return not os.environ.get("MFA_NO_MPS") and mps is not None and mps.is_available()
+
+
+def require_mps() -> None:
+    if not mps_available():
+        if os.environ.get("MFA_REQUIRE_MPS"):
+            pytest.fail("MFA_REQUIRE_MPS is set but no usable MPS device was found")
+        pytest.skip("no MPS device (runs on Apple Silicon; the Apple Silicon CI job sets MFA_REQUIRE_MPS=1)")

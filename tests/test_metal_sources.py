@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import require_tool
 import torch
 
 from emulated_mps import METAL_SOURCE, FakeMetalExt, FakeMpsApi, build_emulator
@@ -119,10 +121,8 @@ def test_objective_cpp_parses_against_documented_api():
     type or block capture fails here). Syntax and types only: nothing runs."""
     import subprocess
     import sysconfig
-    clang = _clang()
-    if clang is None:
-        pytest.skip("no clang++ on PATH (Debian: apt-get install clang)")
-    nanobind = pytest.importorskip("nanobind")
+    clang = _clang() or require_tool("clang++")[0]
+    import nanobind
     nb_inc = Path(nanobind.include_dir())
     cmd = [clang, "-fsyntax-only", "-x", "objective-c++", "-std=c++17", "-fobjc-arc", "-fblocks",
            "-fobjc-runtime=macosx-14.0", "-Wall", "-Wextra", "-Werror",
@@ -138,10 +138,8 @@ def test_apple_cmake_builds_the_metallib_with_the_documented_commands(tmp_path):
     """cmake/apple_metal.cmake configured and its metallib target built on Linux, with `xcrun`
     replaced by a recorder: the AIR compile and metallib link commands it would run on a Mac."""
     import subprocess
-    cmake, clang = shutil.which("cmake"), _clang()
-    if cmake is None or clang is None or shutil.which("make") is None:
-        pytest.skip("needs cmake, make and clang++ (as the Objective-C++ compiler)")
-    pytest.importorskip("nanobind")
+    clang = _clang() or require_tool("clang++")[0]
+    cmake, _ = require_tool("cmake", "make")
     bin_dir, src, log = tmp_path / "bin", tmp_path / "src", tmp_path / "xcrun.log"
     bin_dir.mkdir()
     (bin_dir / "xcrun").write_text(

@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from emulated_mps import METAL_SOURCE, FakeMetalExt, FakeMpsApi, build_emulator
+from emulated_mps import METAL_SOURCE, FakeMetalExt, FakeMpsApi, build_emulator, make_backend
 from mps_fused_adam import backends
 from mps_fused_adam.contract import AdamHyper, kernel_scalars
 from mps_fused_adam.mps_backends import (KERNELS, MAX_THREADS_PER_DISPATCH, METALLIB_NAME,
@@ -27,25 +27,6 @@ PAIRS = list(KERNELS)
 PAIR_IDS = [KERNELS[p].removeprefix("fused_adam_") for p in PAIRS]
 
 
-@pytest.fixture(scope="session")
-def emu():
-    return build_emulator()
-
-
-@pytest.fixture
-def pkg(tmp_path):
-    """A package directory laid out as the wheel installs it (the metallib is a placeholder:
-    the stand-in library runs the emulator built from the same source)."""
-    (tmp_path / METALLIB_NAME).write_bytes(b"MTLB placeholder")
-    (tmp_path / "metal").mkdir()
-    shutil.copy(METAL_SOURCE, tmp_path / "metal" / "fused_adam.metal")
-    return tmp_path
-
-
-def make_backend(tier: int, pkg, emu, **kw):
-    ext = kw.pop("ext", None) or FakeMetalExt(emu)
-    tiers = mps_tiers(load_ext=lambda: ext, mps_api=kw.pop("api", None) or FakeMpsApi(emu), package_dir=pkg)
-    return tiers[tier - 1][1]()
 
 
 def hyper(step, **kw):
