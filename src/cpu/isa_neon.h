@@ -9,11 +9,6 @@ struct Vec {
   static F set1(float x) { return vdupq_n_f32(x); }
   static F sqrt(F x) { return vsqrtq_f32(x); }
   static F neg(F x) { return vnegq_f32(x); }
-  static F div_const(F x, double inv_c) {
-    float64x2_t r = vdupq_n_f64(inv_c);
-    float32x2_t lo = vcvt_f32_f64(vmulq_f64(vcvt_f64_f32(vget_low_f32(x)), r));
-    return vcvt_high_f32_f64(lo, vmulq_f64(vcvt_high_f64_f32(x), r));
-  }
   static F load(const float* p) { return vld1q_f32(p); }
   static void store(float* p, F x) { vst1q_f32(p, x); }
   static F load(const f16* p) {

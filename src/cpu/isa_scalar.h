@@ -10,8 +10,6 @@ struct Vec {
   static F set1(float x) { return x; }
   static F sqrt(F x) { return std::sqrt(x); }
   static F neg(F x) { return -x; }
-  // x / c for a per-step constant c, as x * (1/c) in double (see AdamMath::operator()).
-  static F div_const(F x, double inv_c) { return static_cast<float>(static_cast<double>(x) * inv_c); }
   static F load(const float* p) { return *p; }
   static void store(float* p, F x) { *p = x; }
 

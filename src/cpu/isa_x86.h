@@ -10,12 +10,6 @@ struct Vec {
   static F set1(float x) { return _mm256_set1_ps(x); }
   static F sqrt(F x) { return _mm256_sqrt_ps(x); }
   static F neg(F x) { return _mm256_xor_ps(x, _mm256_set1_ps(-0.0f)); }
-  static F div_const(F x, double inv_c) {
-    __m256d r = _mm256_set1_pd(inv_c);
-    __m128 lo = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(x)), r));
-    __m128 hi = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)), r));
-    return _mm256_set_m128(hi, lo);
-  }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
   static F load(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
@@ -45,13 +39,6 @@ struct Vec {
   static F sqrt(F x) { return _mm512_sqrt_ps(x); }
   static F neg(F x) {
     return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN)));
-  }
-  static F div_const(F x, double inv_c) {
-    __m512d r = _mm512_set1_pd(inv_c);
-    __m256 lo = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(x)), r));
-    __m256 hi = _mm512_cvtpd_ps(_mm512_mul_pd(
-        _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))), r));
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
   }
   static F load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
