@@ -197,3 +197,17 @@ def test_named_parameters_accepted():
     train(a, opt, steps=3)
     train(b, torch.optim.AdamW(b.named_parameters(), lr=1e-2), steps=3)
     assert_params_close(a, b)
+
+
+def test_first_step_does_not_import_torch_dynamo():
+    """torch.optim.Optimizer's add_param_group/zero_grad/state_dict import torch._dynamo on first
+    call (about a second); ours skip that until torch.compile has loaded it."""
+    import subprocess
+    import sys
+    code = ("import sys, torch, mps_fused_adam as mfa\n"
+            "p = torch.nn.Parameter(torch.randn(3)); opt = mfa.AdamW([p])\n"
+            "p.grad = torch.randn(3); opt.step(); opt.zero_grad(); opt.load_state_dict(opt.state_dict())\n"
+            "opt.add_param_group({'params': [torch.nn.Parameter(torch.randn(2))]})\n"
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

@@ -6,6 +6,7 @@ and hands one call per (device, dtypes, step count) to the backend of that devic
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -15,6 +16,15 @@ from .backends import SUPPORTED_DTYPES, get_backend
 from .contract import AdamHyper
 
 _Params = Iterable[Any]
+
+
+def _optimizer_method(name: str) -> Callable[..., Any]:
+    """``torch.optim.Optimizer.<name>`` without its ``torch._disable_dynamo`` wrapper while
+    ``torch._dynamo`` is not loaded: the wrapper's first call imports it, which takes about a
+    second, the largest part of the time to a first step. Once torch.compile has loaded it, the
+    wrapped method is used, so compiled code never traces into these."""
+    fn = getattr(torch.optim.Optimizer, name)
+    return fn if "torch._dynamo" in sys.modules else getattr(fn, "__wrapped__", fn)
 _CPU = torch.device("cpu")
 
 
@@ -27,6 +37,15 @@ class _AdamBase(torch.optim.Optimizer):
     def __init__(self, params: _Params, defaults: dict[str, Any]) -> None:
         validate.check_hyperparameters(defaults["lr"], defaults["betas"], defaults["eps"], defaults["weight_decay"])
         super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        _optimizer_method("add_param_group")(self, param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        _optimizer_method("zero_grad")(self, set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return _optimizer_method("state_dict")(self)
 
     # The dtype the moment estimates are kept in: a fixed one, or (None) the param's, as torch does.
     _fixed_state_dtype: Optional[torch.dtype] = None
@@ -48,7 +67,7 @@ class _AdamBase(torch.optim.Optimizer):
         tensors in this optimizer's state dtype (fp32 states of bf16 params stay exact), and keep
         ``step`` as a Python int.
         """
-        super().load_state_dict(state_dict)
+        _optimizer_method("load_state_dict")(self, state_dict)
         saved_state = state_dict["state"]
         for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
             for key, p in zip(saved_group["params"], group["params"]):
