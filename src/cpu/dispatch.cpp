@@ -9,6 +9,7 @@ namespace isa_scalar { IsaTable table(); }
 #if defined(__x86_64__) || defined(_M_X64)
 namespace isa_avx2 { IsaTable table(); }
 namespace isa_avx512 { IsaTable table(); }
+namespace isa_avx512bf16 { IsaTable table(); }
 #endif
 #if defined(__aarch64__)
 namespace isa_neon { IsaTable table(); }
@@ -19,7 +20,11 @@ static std::vector<IsaTable> detect() {
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
   bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  if (avx2 && __builtin_cpu_supports("avx512f")) isas.push_back(isa_avx512::table());
+  bool avx512 = avx2 && __builtin_cpu_supports("avx512f");
+  if (avx512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw"))
+    isas.push_back(isa_avx512bf16::table());
+  if (avx512) isas.push_back(isa_avx512::table());
   if (avx2) isas.push_back(isa_avx2::table());
 #endif
 #if defined(__aarch64__)

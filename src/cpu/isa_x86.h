@@ -1,4 +1,5 @@
-// x86 vector layers: AVX2 (+F16C) and AVX-512F. Compiled only in the TUs built with those flags.
+// x86 vector layers: AVX2 (+F16C) and AVX-512F (+BF16 where built with it). Compiled only in the
+// TUs built with those flags.
 #pragma once
 
 // (included by adam_<isa>.cpp inside its namespace, after the system headers)
@@ -51,7 +52,16 @@ struct Vec {
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
   }
   static void store(bf16* p, F x) {
-    // Integer rounding rather than vcvtneps2bf16, which flushes denormals and would break parity.
+#if defined(__AVX512BF16__)
+    // vcvtneps2bf16 rounds to nearest even as torch does, in one instruction, but it flushes
+    // denormals and keeps NaN signs and payloads (torch writes 0x7FC0): vectors holding either,
+    // rare in training, take the exact integer path below.
+    if (_mm512_fpclass_ps_mask(x, 0xA1) == 0) {  // 0xA1: quiet NaN | denormal | signalling NaN
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+      return;
+    }
+#endif
+    // Integer rounding: exact for every input, denormals and NaN included.
     __m512i u = _mm512_castps_si512(x);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);

@@ -1,0 +1,13 @@
+// The avx512bf16 build of the CPU kernel (AVX-512F plus AVX512_BF16, whose instruction rounds to
+// bf16), compiled with its own ISA flags (cmake/cpu_adam.cmake).
+#define MFA_ISA_AVX512 1
+// System headers first: the ISA layer and the kernel are then included inside a namespace of
+// this build's own, so inline code compiled with different -m flags never merges at link time.
+#include <immintrin.h>
+#include <cstdint>
+#include "adam_types.h"
+namespace mfa { namespace isa_avx512bf16 {
+#include "isa_x86.h"
+#include "adam_kernel.h"
+IsaTable table() { return make_table("avx512bf16"); }
+}}  // namespace mfa::isa_avx512bf16
