@@ -103,8 +103,8 @@ def test_benchmark_section_runs_through_emulated_tiers(tmp_path):
     # 5 cases x 3 tiers, and torch (fused, foreach) in the 4 cases whose states are in the param dtype
     assert len(rows) == 5 * 3 + 4 * 2
     assert all(r["ns_per_elem"] > 0 and r["gb_per_s"] > 0 for r in rows)
-    assert bench_mps._bytes_per_elem(torch.float32, torch.float32) == 28
-    assert bench_mps._bytes_per_elem(torch.bfloat16, torch.float32) == 22
+    assert bench_mps.bytes_per_elem(torch.float32, torch.float32) == 28
+    assert bench_mps.bytes_per_elem(torch.bfloat16, torch.float32) == 22
 
 
 def _clang() -> str | None:

@@ -7,7 +7,6 @@ grid sizes, kernel choice and fallbacks are exercised with the real dispatch cod
 from __future__ import annotations
 
 import inspect
-import shutil
 import struct
 import sys
 import warnings
@@ -15,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from emulated_mps import METAL_SOURCE, FakeMetalExt, FakeMpsApi, build_emulator, make_backend
+from emulated_mps import METAL_SOURCE, FakeMetalExt, FakeMpsApi, make_backend
 from mps_fused_adam import backends
 from mps_fused_adam.contract import AdamHyper, kernel_scalars
 from mps_fused_adam.mps_backends import (KERNELS, MAX_THREADS_PER_DISPATCH, METALLIB_NAME,

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -22,6 +20,7 @@ import torch
 
 from . import CPUAdam, AdamW, backend_info
 from .backends import _DTYPE_CODES
+from .timing import bytes_per_elem, interleaved
 
 F32, BF16 = torch.float32, torch.bfloat16
 DTYPE_CASES = [("fp32", F32, F32), ("bf16/bf16", BF16, BF16), ("bf16/fp32-states", BF16, F32)]
@@ -37,11 +36,6 @@ class Row:
     gbps: float
     of_floor: Optional[float]  # floor time / this time: 1.0 is the memory floor's speed
     vs_torch_fused: Optional[float]  # torch fused time / this time: >1 is faster than torch
-
-
-def bytes_per_elem(pdtype: torch.dtype, sdtype: torch.dtype) -> int:
-    # param read+write and grad read in the param dtype; both moments read+write in the state dtype
-    return 3 * pdtype.itemsize + 4 * sdtype.itemsize
 
 
 def _params(count: int, size: int, dtype: torch.dtype) -> list[torch.nn.Parameter]:
@@ -80,18 +74,6 @@ def _contenders(params, pdtype, sdtype, deepspeed: bool) -> dict[str, Callable[[
     return found
 
 
-def _interleaved(contenders: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
-    for fn in contenders.values():
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in contenders}
-    for _ in range(repeats):
-        for name, fn in contenders.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
 def cpu_section(flat: int, many: tuple[int, int], thread_counts: list[int], repeats: int,
                 deepspeed: bool) -> list[Row]:
     rows: list[Row] = []
@@ -105,7 +87,7 @@ def cpu_section(flat: int, many: tuple[int, int], thread_counts: list[int], repe
                 numel = count * size
                 for threads in thread_counts:
                     torch.set_num_threads(threads)
-                    t = _interleaved(contenders, repeats)
+                    t = interleaved(contenders, repeats)
                     for name, secs in t.items():
                         rows.append(Row(case, label, threads, name, secs / numel * 1e9,
                                         bytes_per_elem(pd, sd) * numel / secs / 1e9,

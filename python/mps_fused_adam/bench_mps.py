@@ -7,47 +7,23 @@ hit all of them alike. Times are medians; every timed call ends with ``torch.mps
 """
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Callable
 
 import torch
 
 from .contract import AdamHyper
-
-# Bytes one Adam step moves per element: param read+write and grad read (param dtype), exp_avg
-# and exp_avg_sq read+write (state dtype).
-def _bytes_per_elem(pdtype: torch.dtype, sdtype: torch.dtype) -> int:
-    p = torch.empty((), dtype=pdtype).element_size()
-    s = torch.empty((), dtype=sdtype).element_size()
-    return 3 * p + 4 * s
-
+from .timing import bytes_per_elem, interleaved
 
 def _mps_available() -> bool:
     mps = getattr(torch.backends, "mps", None)
     return mps is not None and mps.is_available()
 
 
-def _interleaved(contenders: dict[str, Callable[[], None]], repeats: int,
-                 sync: Callable[[], None]) -> dict[str, float]:
-    for fn in contenders.values():  # warm-up: pipelines, allocator, first-step state
-        fn()
-    sync()
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(repeats):
-        for name, fn in contenders.items():
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
 def _copy_bandwidth(numel: int, repeats: int, device: str, sync: Callable[[], None]) -> float:
     """Bytes per second of a device-to-device fp32 copy (one read and one write per element)."""
     src = torch.ones(numel, device=device)
     dst = torch.empty_like(src)
-    t = _interleaved({"copy": lambda: dst.copy_(src)}, repeats, sync)["copy"]
+    t = interleaved({"copy": lambda: dst.copy_(src)}, repeats, sync)["copy"]
     return 2 * numel * 4 / t
 
 
@@ -119,8 +95,8 @@ def _run_section(numel, many, tiny, repeats, out, *, device: str, sync: Callable
         for note in notes:
             out(f"  {note}")
         elems = sum(sizes)
-        for name, t in _interleaved(contenders, repeats, sync).items():
-            gbs = elems * _bytes_per_elem(pdtype, sdtype) / t / 1e9
+        for name, t in interleaved(contenders, repeats, sync).items():
+            gbs = elems * bytes_per_elem(pdtype, sdtype) / t / 1e9
             row = dict(case=case, param_dtype=str(pdtype), state_dtype=str(sdtype), implementation=name,
                        ns_per_elem=t / elems * 1e9, gb_per_s=gbs, frac_copy_bw=gbs * 1e9 / bandwidth,
                        us_per_tensor=t / len(sizes) * 1e6)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 

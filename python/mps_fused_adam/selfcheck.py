@@ -70,7 +70,7 @@ def all_checks() -> Iterator[CheckResult]:
         for label, make in mps_tiers():
             try:
                 backend = make()
-            except Exception as exc:  # reported by backend_info; nothing to check
+            except Exception:  # reported by backend_info; nothing to check
                 continue
             yield from check_backend(backend, "mps", label)
         yield from check_backend(ForeachBackend(), "mps", "foreach")

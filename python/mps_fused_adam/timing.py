@@ -1,0 +1,31 @@
+"""What both benchmark sections share: interleaved timing and Adam's bytes per element."""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def bytes_per_elem(pdtype: torch.dtype, sdtype: torch.dtype) -> int:
+    """Bytes one Adam step moves per element: param read+write and grad read in the param dtype,
+    exp_avg and exp_avg_sq read+write in the state dtype."""
+    return 3 * pdtype.itemsize + 4 * sdtype.itemsize
+
+
+def interleaved(contenders: dict[str, Callable[[], None]], repeats: int,
+                sync: Callable[[], None] = lambda: None) -> dict[str, float]:
+    """Median seconds per call of each contender, run one call each in turn so that drifts of
+    clock, temperature and neighbours hit all of them alike; ``sync`` waits for a device."""
+    for fn in contenders.values():  # warm-up: pipelines, allocator, first-step state
+        fn()
+    sync()
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(repeats):
+        for name, fn in contenders.items():
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
