@@ -55,6 +55,13 @@ if [ -n "${MFA_DEEPSPEED:-}" ]; then
   "$VPY" -m pip install -q -c "$WORK/constraints.txt" setuptools wheel
   DS_BUILD_OPS=0 "$VPY" -m pip install -q --no-build-isolation -c "$WORK/constraints.txt" "deepspeed==${MFA_DEEPSPEED}"
   "$VPY" -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+  # DeepSpeed's own CPU Adam, JIT-built once here with the machine's compiler, only so that
+  # tests/test_deepspeed_ops.py can compare our kernels with it (the package never builds it).
+  MFA_DS_CPU_ADAM_SO="$(TORCH_EXTENSIONS_DIR="$WORK/ds_ext" "$VPY" -c \
+    "from deepspeed.ops.op_builder import CPUAdamBuilder; print(CPUAdamBuilder().load(verbose=False).__file__)" \
+    | tail -n 1)"
+  export MFA_DS_CPU_ADAM_SO
+  echo "DeepSpeed's cpu_adam for the cross-check: $MFA_DS_CPU_ADAM_SO"
 fi
 
 # The README's commands, run from the checkout with the venv first on PATH: the package is
