@@ -25,6 +25,8 @@ def _optimizer_method(name: str) -> Callable[..., Any]:
     wrapped method is used, so compiled code never traces into these."""
     fn = getattr(torch.optim.Optimizer, name)
     return fn if "torch._dynamo" in sys.modules else getattr(fn, "__wrapped__", fn)
+
+
 _CPU = torch.device("cpu")
 
 

@@ -17,15 +17,20 @@ def bytes_per_elem(pdtype: torch.dtype, sdtype: torch.dtype) -> int:
 def interleaved(contenders: dict[str, Callable[[], None]], repeats: int,
                 sync: Callable[[], None] = lambda: None) -> dict[str, float]:
     """Median seconds per call of each contender, run one call each in turn so that drifts of
-    clock, temperature and neighbours hit all of them alike; ``sync`` waits for a device."""
+    clock, temperature and neighbours hit all of them alike; ``sync`` waits for a device.
+
+    The order rotates every round: a contender that follows one which frees gigabytes of
+    temporaries (torch's foreach) pays for the kernel's page work, and no contender should always
+    be the one that does."""
     for fn in contenders.values():  # warm-up: pipelines, allocator, first-step state
         fn()
     sync()
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(repeats):
-        for name, fn in contenders.items():
+    names = list(contenders)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
             t0 = time.perf_counter()
-            fn()
+            contenders[name]()
             sync()
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
