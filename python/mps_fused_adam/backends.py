@@ -112,6 +112,23 @@ class TorchFusedBackend:
               amsgrad=False, maximize=hp.maximize)
 
 
+def update_staged(backend: Backend, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                  exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor], hp: AdamHyper) -> None:
+    """``backend.update`` for tensors that need not be contiguous: non-contiguous ones go through
+    contiguous copies that are written back, so their update is never lost (DeepSpeed's CPU Adam
+    silently loses it)."""
+    lists = (params, grads, exp_avgs, exp_avg_sqs)
+    if all(t.is_contiguous() for tensors in lists for t in tensors):
+        backend.update(params, grads, exp_avgs, exp_avg_sqs, hp)
+        return
+    staged = [[t.contiguous() for t in tensors] for tensors in lists]
+    backend.update(*staged, hp)
+    for originals, copies in ((params, staged[0]), (exp_avgs, staged[2]), (exp_avg_sqs, staged[3])):
+        for orig, copy in zip(originals, copies):
+            if copy is not orig:
+                orig.copy_(copy)
+
+
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 SUPPORTED_DTYPES = tuple(_DTYPE_CODES)
 

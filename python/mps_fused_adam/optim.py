@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from . import validate
-from .backends import SUPPORTED_DTYPES, get_backend
+from .backends import SUPPORTED_DTYPES, get_backend, update_staged
 from .contract import AdamHyper
 
 _Params = Iterable[Any]
@@ -132,7 +132,7 @@ class _AdamBase(torch.optim.Optimizer):
                                weight_decay=float(group["weight_decay"]), step=step,
                                adam_w_mode=bool(group["adam_w_mode"]), bias_correction=bool(group["bias_correction"]),
                                maximize=bool(group["maximize"]))
-                _run(get_backend(device), (ps, gs, ms, vs), hp)
+                update_staged(get_backend(device), ps, gs, ms, vs, hp)
         return loss
 
     def _plan_group(self, gi: int, group: dict[str, Any]) -> tuple[dict[str, Any], list, dict]:
@@ -194,20 +194,6 @@ class _AdamBase(torch.optim.Optimizer):
             bucket[3].append(v)
             bucket[4].append(st)
         return group, fresh, buckets
-
-
-def _run(backend, lists: tuple[list, list, list, list], hp: AdamHyper) -> None:
-    """Hand contiguous tensors to the backend; non-contiguous ones go through contiguous copies
-    that are written back, so their update is never lost (DeepSpeed's CPU Adam loses it)."""
-    if all(t.is_contiguous() for tensors in lists for t in tensors):
-        backend.update(*lists, hp)
-        return
-    staged = [[t.contiguous() for t in tensors] for tensors in lists]
-    backend.update(*staged, hp)
-    for originals, copies in ((lists[0], staged[0]), (lists[2], staged[2]), (lists[3], staged[3])):
-        for orig, copy in zip(originals, copies):
-            if copy is not orig:
-                orig.copy_(copy)
 
 
 def _reject(option: str, value: Any, cls: str) -> None:

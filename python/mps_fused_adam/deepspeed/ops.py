@@ -18,7 +18,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from ..backends import get_backend
+from ..backends import get_backend, update_staged
 from ..contract import AdamHyper, kernel_scalars
 
 __all__ = ["FusedAdamOp", "CPUAdamOp", "FUSED_ADAM_OP", "CPU_ADAM_OP", "kernel_calls", "reset_kernel_calls"]
@@ -87,15 +87,6 @@ def _update(op: str, params: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
                             f"states must be float32 or the param's dtype")
 
     groups: Dict[Tuple[torch.device, torch.dtype, torch.dtype], List[list]] = {}
-    copy_back: List[Tuple[torch.Tensor, torch.Tensor]] = []
-
-    def contiguous(t: torch.Tensor) -> torch.Tensor:
-        if t.is_contiguous():
-            return t
-        c = t.contiguous()
-        copy_back.append((t, c))
-        return c
-
     with torch.no_grad():
         for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
             if p.numel() == 0:
@@ -106,18 +97,15 @@ def _update(op: str, params: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
             g = g.detach()
             if g.dtype != p.dtype:
                 g = g.to(p.dtype)
-            key = (p.device, p.dtype, m.dtype)
-            lists = groups.setdefault(key, [[], [], [], []])
-            lists[0].append(contiguous(p.detach()))
-            lists[1].append(g.contiguous())
-            lists[2].append(contiguous(m))
-            lists[3].append(contiguous(v))
+            lists = groups.setdefault((p.device, p.dtype, m.dtype), [[], [], [], []])
+            lists[0].append(p.detach())
+            lists[1].append(g)
+            lists[2].append(m)
+            lists[3].append(v)
         for (device, _, _), (ps, gs, ms, vs) in groups.items():
             backend = get_backend(device)
-            backend.update(ps, gs, ms, vs, hp)
+            update_staged(backend, ps, gs, ms, vs, hp)
             _count(op, backend.name)
-        for original, updated in copy_back:
-            original.copy_(updated)
 
 
 class FusedAdamOp:
