@@ -57,7 +57,8 @@ if [ -n "${MFA_DEEPSPEED:-}" ]; then
   "$VPY" -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
   # DeepSpeed's own CPU Adam, JIT-built once here with the machine's compiler, only so that
   # tests/test_deepspeed_ops.py can compare our kernels with it (the package never builds it).
-  MFA_DS_CPU_ADAM_SO="$(TORCH_EXTENSIONS_DIR="$WORK/ds_ext" "$VPY" -c \
+  # (The venv's bin first: torch's extension builder looks for ninja, which DeepSpeed installs there.)
+  MFA_DS_CPU_ADAM_SO="$(PATH="$WORK/venv/bin:$PATH" TORCH_EXTENSIONS_DIR="$WORK/ds_ext" "$VPY" -c \
     "from deepspeed.ops.op_builder import CPUAdamBuilder; print(CPUAdamBuilder().load(verbose=False).__file__)" \
     | tail -n 1)"
   export MFA_DS_CPU_ADAM_SO
