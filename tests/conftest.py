@@ -71,3 +71,18 @@ def require_mps() -> None:
         if os.environ.get("MFA_REQUIRE_MPS"):
             pytest.fail("MFA_REQUIRE_MPS is set but no usable MPS device was found")
         pytest.skip("no MPS device (runs on Apple Silicon; the Apple Silicon CI job sets MFA_REQUIRE_MPS=1)")
+
+
+def choose_backend_afresh(monkeypatch, device_type: str):
+    """Forget earlier backend choices, then ask for ``device_type``'s backend twice.
+    Returns (first, second, the warning messages issued meanwhile)."""
+    import warnings
+
+    from mps_fused_adam import backends
+    monkeypatch.setattr(backends, "_chosen", {})
+    monkeypatch.setattr(backends, "_reasons", {})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = backends.get_backend(device_type)
+        again = backends.get_backend(device_type)
+    return first, again, [str(w.message) for w in caught]

@@ -3,12 +3,10 @@ torch-fused tier used for CUDA/XPU tensors, exercised here on CPU tensors (torch
 Adam), and the per-device selection with its one-time explanations."""
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
-from conftest import DTYPE_PAIRS, pair_id
+from conftest import DTYPE_PAIRS, choose_backend_afresh, pair_id
 from mps_fused_adam import backends
 from mps_fused_adam.backends import ForeachBackend, TorchFusedBackend
 from mps_fused_adam.contract import AdamHyper
@@ -56,14 +54,8 @@ def test_tier_selection_explains_each_failure_once(monkeypatch):
         raise ImportError("no kernel here")
 
     monkeypatch.setattr(backends, "_tiers", lambda device_type: [("first", broken), ("second", broken)])
-    monkeypatch.setattr(backends, "_chosen", {})
-    monkeypatch.setattr(backends, "_reasons", {})
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        first = backends.get_backend("cpu")
-        again = backends.get_backend("cpu")
+    first, again, messages = choose_backend_afresh(monkeypatch, "cpu")
     assert first is again and first.name == "foreach"
-    messages = [str(w.message) for w in caught]
     assert len(messages) == 2 and "first backend unavailable" in messages[0] and "no kernel here" in messages[0]
     info = backends.backend_info()["cpu"]
     assert info["backend"] == "foreach" and len(info["unavailable"]) == 2

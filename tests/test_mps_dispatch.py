@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 
+from conftest import choose_backend_afresh
 from emulated_mps import METAL_SOURCE, FakeMetalExt, FakeMpsApi, make_backend
 from mps_fused_adam import backends
 from mps_fused_adam.contract import AdamHyper, kernel_scalars
@@ -231,14 +232,8 @@ def test_library_without_bfloat_kernels_is_refused(emu, pkg):
 @pytest.mark.skipif(sys.platform == "darwin", reason="macOS wheels carry _metal and the metallib")
 def test_on_this_machine_mps_falls_back_once(monkeypatch):
     """The real tiers with the real torch here (no MPS): each says why once, then foreach."""
-    monkeypatch.setattr(backends, "_chosen", {})
-    monkeypatch.setattr(backends, "_reasons", {})
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        first = backends.get_backend("mps")
-        again = backends.get_backend("mps")
+    first, again, msgs = choose_backend_afresh(monkeypatch, "mps")
     assert first is again and first.name == "foreach"
-    msgs = [str(w.message) for w in caught]
     labels = ["_metal extension", "torch.mps.load_metallib", "torch.mps.compile_shader"]
     assert len(msgs) == 3 and all(label in m for label, m in zip(labels, msgs))
 
