@@ -213,3 +213,20 @@ def test_apple_cmake_stops_without_the_metal_toolchain(tmp_path, stub):
     assert "The Metal compiler does not run" in out and "xcodebuild -downloadComponent MetalToolchain" in out
     assert "missing Metal Toolchain" in out  # the tool's own words are passed on
     assert calls == ["-sdk macosx metal --version"]  # stopped before compiling anything
+
+
+def test_kernel_math_uses_precise_sqrt_and_division():
+    """Square root and division in metal::precise:: forms, so they stay correctly rounded when
+    torch compiles tier 3 with fast math (PYTORCH_MPS_FAST_MATH=1); contraction off by the pragmas
+    the MSL specification documents for every language version we compile with."""
+    from emulated_mps import METAL_SOURCE
+    text = METAL_SOURCE.read_text()
+    code = "\n".join(line for line in re.sub(r"//[^\n]*", "", text).splitlines()
+                     if not line.lstrip().startswith("#"))
+    assert "precise::sqrt(" in code and "precise::divide(" in code
+    assert re.findall(r"(?<!precise::)\bsqrt\s*\(", code) == []
+    assert "/" not in code, "a bare division: use metal::precise::divide"
+    pragmas = [l.strip() for l in text.splitlines() if l.strip().startswith("#pragma")]
+    assert "#pragma STDC FP_CONTRACT OFF" in pragmas
+    guarded = text[text.index("#if __METAL_VERSION__ >= 320"):]
+    assert guarded.index("#pragma METAL fp contract(off)") < guarded.index("#endif")
