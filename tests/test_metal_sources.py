@@ -230,3 +230,18 @@ def test_kernel_math_uses_precise_sqrt_and_division():
     assert "#pragma STDC FP_CONTRACT OFF" in pragmas
     guarded = text[text.index("#if __METAL_VERSION__ >= 320"):]
     assert guarded.index("#pragma METAL fp contract(off)") < guarded.index("#endif")
+
+
+def test_extension_uses_pytorchs_device_and_null_safe_image_names():
+    """The library and pipelines are built on the device of PyTorch's command buffer (read on its
+    queue), never on MTLCreateSystemDefaultDevice(), which torch 2.13 does not use and which can be
+    nil without CoreGraphics; dyld image names may be NULL while images change."""
+    code = re.sub(r"//[^\n]*", "", MM.read_text())
+    assert "MTLCreateSystemDefaultDevice" not in code and "MTLCopyAllDevices" not in code
+    load = code[code.index("void load("):code.index("uint64_t field(")]
+    assert re.search(r"dispatch_sync\(g_torch\.get_dispatch_queue\(\),\s*\^\{\s*device = "
+                     r"g_torch\.get_command_buffer\(\)\.device;\s*\}\);", load)
+    assert load.index("device = g_torch.get_command_buffer()") < load.index("newLibraryWithURL")
+    image = code[code.index("_dyld_get_image_name(i)"):]
+    assert re.match(r"_dyld_get_image_name\(i\);\s*const size_t len = image != nullptr \? std::strlen\(image\) : 0;",
+                    image)
