@@ -442,8 +442,14 @@ def check_objc_api(decls: list[dict], metadata_texts: list[str], mm_text: str,
     problems = []
     code = re.sub(r"//[^\n]*", "", mm_text)
     for d in decls:
-        first = d["name"].split(":")[0]
-        used = re.search(rf"\b{re.escape(first)}\b", code) is not None
+        name = re.escape(d["name"].split(":")[0])
+        if d["kind"] == "function":
+            pattern = rf"\b{name}\s*\("            # a call
+        elif ":" in d["name"]:
+            pattern = rf"\b{name}:"                 # a keyword message
+        else:
+            pattern = rf"(?:\.{name}\b|\s{name}\s*\])"  # a property read or a unary message
+        used = re.search(pattern, code) is not None
         if not used:
             problems.append(f"{d['name']}: declared in tests/objc_stubs but not used by metal_adam.mm")
         elif d["kind"] == "method":

@@ -28,8 +28,8 @@
 #ifndef FUSED_ADAM_HOST_EMULATOR
 #include <metal_stdlib>
 using namespace metal;
-// No contraction, as the MSL specification documents it: the standard pragma for every language
-// version, and from 3.2 on the METAL fp pragmas (safe math mode too, overriding fast math).
+// No contraction, in the forms the MSL specification documents: the standard pragma for every
+// language version, and from 3.2 on the METAL fp pragmas (with safe math mode).
 #pragma STDC FP_CONTRACT OFF
 #if __METAL_VERSION__ >= 320
 #pragma METAL fp math_mode(safe)
