@@ -29,6 +29,8 @@ def main() -> int:
         print(f"  {device}: {info['backend']}{extra}")
         for reason in info["unavailable"]:
             print(f"    not used: {reason}")
+        if "fast_math" in info:
+            print(f"    fast math: {info['fast_math']}")
     if not (mps is not None and mps.is_available()):
         print("  mps: no MPS device here; the Metal tiers run on Apple Silicon only")
 

@@ -173,7 +173,11 @@ def get_backend(device: torch.device | str) -> Backend:
 
 
 def backend_info() -> dict[str, dict[str, object]]:
-    """What is active per device type tried so far (CPU always; MPS when available), and why not the rest."""
+    """What is active per device type tried so far (CPU always; MPS when available), and why not the rest.
+
+    Each entry: ``backend`` (its name), ``unavailable`` (why each preferred tier did not load), and
+    where they apply ``simd`` (the CPU kernel's SIMD path) and ``fast_math`` (MPS: what torch's
+    ``PYTORCH_MPS_FAST_MATH`` changes for the active Metal tier)."""
     get_backend("cpu")
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         get_backend("mps")
@@ -182,5 +186,10 @@ def backend_info() -> dict[str, dict[str, object]]:
         entry: dict[str, object] = {"backend": backend.name, "unavailable": list(_reasons.get(device_type, []))}
         if hasattr(backend, "simd"):
             entry["simd"] = backend.simd
+        if device_type == "mps":
+            from .mps_backends import fast_math_note
+            note = fast_math_note(backend.name)
+            if note is not None:
+                entry["fast_math"] = note
         info[device_type] = entry
     return info

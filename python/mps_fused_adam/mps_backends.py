@@ -18,9 +18,10 @@ buffer 5 ``base`` and buffer 6 ``n`` (64-bit); each thread handles 4 elements fr
 """
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -32,10 +33,12 @@ ELEMS_PER_THREAD = 4
 MAX_THREADS_PER_DISPATCH = 1 << 30
 THREADGROUP_SIZE = 256
 
-# torch::mps::get_command_buffer() closes PyTorch's open compute encoder only since
-# pytorch/pytorch#164093 (September 2025, after the 2.9 branch cut); before it, the encoder _metal
+# torch::mps::get_command_buffer() must close PyTorch's open compute encoder, or the encoder _metal
 # opens aborts the process ("A command encoder is already encoding to this command buffer").
-TIER1_MIN_TORCH = (2, 10)
+# Evidence, the macOS arm64 wheels' libtorch_cpu.dylib (llvm-objdump -d): at::mps::MPSHooks::
+# getCommandBuffer calls MPSStream::endKernelCoalescing before MPSStream::commandBuffer in 2.9.0
+# (and 2.13.0), not in 2.8.0. tests/test_apple_artifacts.py re-checks this against the wheels.
+TIER1_MIN_TORCH = (2, 9)
 
 METALLIB_NAME = "fused_adam.metallib"
 METAL_SOURCE_NAME = "fused_adam.metal"
@@ -50,6 +53,32 @@ KERNELS = {
     (p, s): f"fused_adam_{_DTYPE_NAMES[p]}_{_DTYPE_NAMES[s]}"
     for p in _DTYPE_NAMES for s in (torch.float32, p)
 }
+
+
+# torch compiles tier 3's source with fast math when this is set to a non-zero value (torch 2.13:
+# setFastMathEnabled: on macOS 14; math mode fast and fast FP32 functions on macOS 15 and newer).
+FAST_MATH_ENV = "PYTORCH_MPS_FAST_MATH"
+
+
+def fast_math_note(backend_name: str, environ: Mapping[str, str] = os.environ) -> str | None:
+    """What ``PYTORCH_MPS_FAST_MATH`` changes for the MPS backend ``backend_name`` (for ``backend_info``).
+
+    Tiers 1 and 2 run the prebuilt metallib (compiled with -fno-fast-math -ffp-contract=off), so
+    the variable cannot reach them. Tier 3 is compiled by torch with its options: sqrt and division
+    stay correctly rounded there (``metal::precise::`` forms) and the source switches contraction
+    off, but fast math may still change NaN/Inf handling and fp32 subnormals. None for backends that
+    are not ours (foreach: torch's own ops)."""
+    if backend_name in ("metal", "load_metallib"):
+        return "not applicable: prebuilt metallib, compiled with -fno-fast-math -ffp-contract=off"
+    if backend_name != "compile_shader":
+        return None
+    value = environ.get(FAST_MATH_ENV, "").strip()
+    if value in ("", "0"):
+        return f"off ({FAST_MATH_ENV} unset): the source's IEEE math as compiled by torch"
+    return (f"on ({FAST_MATH_ENV}={value}): sqrt and division stay correctly rounded "
+            "(metal::precise::), but NaN/Inf handling and fp32 subnormals may differ from the "
+            "contract; on macOS 14 (Metal 3.1) whether contraction stays off is not established "
+            "(untested on Apple hardware). Unset it for the contract's results.")
 
 
 def kernel_name(param_dtype: torch.dtype, state_dtype: torch.dtype) -> str:
@@ -180,7 +209,7 @@ def mps_tiers(*, load_ext: Callable[[], Any] | None = None, mps_api: Any = None,
         if torch_version() < TIER1_MIN_TORCH:
             raise RuntimeError(
                 f"torch {torch.__version__} is older than {'.'.join(map(str, TIER1_MIN_TORCH))}: its "
-                "torch::mps::get_command_buffer() leaves PyTorch's own encoder open (pytorch/pytorch#164093)")
+                "torch::mps::get_command_buffer() leaves PyTorch's own encoder open (no endKernelCoalescing)")
         ext = (load_ext or import_ext)()
         return MetalExtBackend(ext, pkg / METALLIB_NAME, buffer_of)
 

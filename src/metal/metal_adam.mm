@@ -1,10 +1,9 @@
-// The `_metal` extension: runs metal/fused_adam.metal's kernels (fused_adam.metallib) on PyTorch's
-// MPS stream. load(metallib_path) loads the library and pipelines once. adam_step(params, grads,
-// exp_avgs, exp_avg_sqs, param_code, state_code, hyper) encodes a group's tensors, each given as
-// (MTLBuffer handle, byte offset, numel), into one compute encoder on PyTorch's command buffer,
-// under PyTorch's dispatch queue, without waiting for the GPU. Codes: 0 float, 1 half, 2 bfloat;
-// hyper: the 44-byte AdamParams. Caller: mps_backends.py; stand-in: tests/emulated_mps.py.
-// Untested on Apple hardware until the release pipeline's Apple Silicon job has run.
+// The `_metal` extension: runs fused_adam.metallib's kernels on PyTorch's MPS stream. load(path)
+// loads the library and pipelines once. adam_step(params, grads, exp_avgs, exp_avg_sqs, param_code,
+// state_code, hyper) encodes a group's tensors, each (MTLBuffer handle, byte offset, numel), into
+// one compute encoder on PyTorch's command buffer, on PyTorch's queue, without waiting for the GPU.
+// Codes: 0 float, 1 half, 2 bfloat; hyper: the 44-byte AdamParams. Caller: mps_backends.py;
+// stand-in: tests/emulated_mps.py. Untested on Apple hardware (checks: tests/test_apple_artifacts.py).
 #import <Foundation/Foundation.h>
 #import <Metal/Metal.h>
 
@@ -78,8 +77,8 @@ Fn torch_symbol(void* libtorch, const char* name) {
 void* loaded_libtorch() {
   static const char kName[] = "/libtorch_cpu.dylib";
   for (uint32_t i = 0; i < _dyld_image_count(); ++i) {
-    const char* image = _dyld_get_image_name(i);
-    const size_t len = std::strlen(image);
+    const char* image = _dyld_get_image_name(i);  // NULL while images are being added/removed
+    const size_t len = image != nullptr ? std::strlen(image) : 0;
     if (len >= sizeof kName - 1 && std::strcmp(image + len - (sizeof kName - 1), kName) == 0) {
       return dlopen(image, RTLD_LAZY | RTLD_NOLOAD);
     }
@@ -102,30 +101,23 @@ void load(const std::string& path) {
       libtorch, "_ZN5torch3mps18get_dispatch_queueEv");
   g_torch.commit = torch_symbol<void (*)()>(libtorch, "_ZN5torch3mps6commitEv");
   @autoreleasepool {
-    id<MTLDevice> device = MTLCreateSystemDefaultDevice();  // the device PyTorch's MPS uses
-    if (device == nil) {
-      fail("no Metal device", nil);
-    }
+    // PyTorch's own device (it picks among MTLCopyAllDevices; MTLCreateSystemDefaultDevice may be
+    // nil without CoreGraphics): that of its command buffer, read on its queue.
+    __block id<MTLDevice> device = nil;
+    dispatch_sync(g_torch.get_dispatch_queue(), ^{ device = g_torch.get_command_buffer().device; });
+    if (device == nil) fail("PyTorch's MPS command buffer has no device", nil);
     NSError* error = nil;
     NSURL* url = [NSURL fileURLWithPath:[NSString stringWithUTF8String:path.c_str()]];
     id<MTLLibrary> library = [device newLibraryWithURL:url error:&error];
-    if (library == nil) {
-      fail("cannot load " + path, error);
-    }
+    if (library == nil) fail("cannot load " + path, error);
     for (int p = 0; p < 3; ++p) {
       for (int s = 0; s < 3; ++s) {
-        if (s != 0 && s != p) {
-          continue;  // states are fp32 or the param dtype
-        }
+        if (s != 0 && s != p) continue;  // states are fp32 or the param dtype
         const std::string name = std::string("fused_adam_") + kDtypeNames[p] + "_" + kDtypeNames[s];
         id<MTLFunction> fn = [library newFunctionWithName:[NSString stringWithUTF8String:name.c_str()]];
-        if (fn == nil) {
-          fail(path + " has no kernel " + name, nil);
-        }
+        if (fn == nil) fail(path + " has no kernel " + name, nil);
         id<MTLComputePipelineState> pso = [device newComputePipelineStateWithFunction:fn error:&error];
-        if (pso == nil) {
-          fail("cannot build the pipeline of " + name, error);
-        }
+        if (pso == nil) fail("cannot build the pipeline of " + name, error);
         g_pipelines[p][s] = pso;
       }
     }
