@@ -160,7 +160,8 @@ def _plot(rows: list[Row], path: str) -> None:
 
 
 # The main command's short run: 4M-element and 64 x 64K tensors, torch's slow foreach left out,
-# and enough rounds (each a few ms) that the median ratio moves by a few percent between runs.
+# and 21 rounds (each a few ms), aiming at a median ratio that moves by under about 5% between
+# runs on an idle machine; on a busy one noise_note says the ratios are not to be trusted.
 QUICK = dict(flat=4 * 2**20, many=(64, 65536), repeats=21, foreach=False)
 FULL = dict(flat=64 * 2**20, many=(1000, 65536), repeats=7, foreach=True)
 SPREAD_NOTE = ("speed vs torch fused: the median of the ratios taken round by round; in brackets the middle "
