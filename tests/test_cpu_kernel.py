@@ -1,4 +1,4 @@
-"""The C++ CPU kernel against the independent reference (DESIGN.md section 2), on every SIMD path
+"""The C++ CPU kernel against the independent reference (the README's "Numeric contract"), on every SIMD path
 this CPU can run. Operation order and rounding are the same, so results must be bit-identical."""
 from __future__ import annotations
 
@@ -140,10 +140,17 @@ def test_simd_env_override_and_warning(tmp_path):
             "with warnings.catch_warnings(record=True) as w:\n"
             "    warnings.simplefilter('always')\n"
             "    info = m.backend_info()['cpu']\n"
-            "print(info['simd'], len(w))")
+            "print(info['simd'], len(w))\n"
+            "print(*(str(x.message) for x in w), sep='\\n')")
     env = dict(__import__("os").environ, MPS_FUSED_ADAM_SIMD="scalar")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["scalar", "0"]
-    env["MPS_FUSED_ADAM_SIMD"] = "sse9"
+    env["MPS_FUSED_ADAM_SIMD"] = "avx9000"  # no such path anywhere: "unknown", with the known ones
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == [_cpu.simd_paths()[0], "1"]
+    first, message = out.splitlines()[:2]
+    assert first.split() == [_cpu.simd_paths()[0], "1"]
+    assert "MPS_FUSED_ADAM_SIMD='avx9000' is unknown (known: avx512bf16, avx512, avx2, neon, scalar)" in message
+    # A real path of another architecture: "not supported on this CPU".
+    env["MPS_FUSED_ADAM_SIMD"] = "neon" if "neon" not in _cpu.simd_paths() else "avx2"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert f"MPS_FUSED_ADAM_SIMD={env['MPS_FUSED_ADAM_SIMD']!r} is not supported on this CPU" in out

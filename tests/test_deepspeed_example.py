@@ -11,13 +11,16 @@ import dsenv  # noqa: E402
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "deepspeed_zero.py"
 
 
-def test_example_zero2_offload(tmp_path):
+def test_example_zero3_offload(tmp_path):
     dsenv.require_deepspeed()
     env = dsenv.no_compiler_env(tmp_path)
     for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
         env.pop(var, None)  # the example must set them up itself
-    out = dsenv.run_python([str(EXAMPLE), "--stage", "2", "--offload-optimizer", "--steps", "5", "--hidden", "64"],
-                           env, timeout=300).stdout
+    run = dsenv.run_python([str(EXAMPLE), "--stage", "3", "--offload-optimizer", "--steps", "5", "--hidden", "64"],
+                           env, timeout=300)
+    out = run.stdout
+    # ZeRO-3's collectives make torch 2.13 warn at every step; the example filters exactly those.
+    assert "FutureWarning" not in run.stderr, run.stderr
     losses = [float(x) for x in re.findall(r"^step +\d+ +loss ([0-9.]+)$", out, re.M)]
     assert len(losses) == 5, out
     assert all(b < a for a, b in zip(losses, losses[1:])), f"the loss did not fall at every step: {losses}"

@@ -25,7 +25,7 @@ def _ids(pair):
 
 
 def _bound(ref: torch.Tensor) -> float:
-    """DESIGN.md section 2: within 8 * eps(dtype) * max|ref| of the reference."""
+    """The contract's bound: within 8 * eps(dtype) * max|ref| of the reference."""
     return 8 * torch.finfo(ref.dtype).eps * max(ref.float().abs().max().item(), 1e-30)
 
 

@@ -1,7 +1,27 @@
 """Prebuilt fused Adam for PyTorch and DeepSpeed: a Metal kernel for Apple Silicon (MPS) and a
 SIMD C++ CPU Adam, with no compiler or JIT build on the user's machine."""
-from ._version import __version__
-from .backends import backend_info
-from .optim import Adam, AdamW, CPUAdam, FusedAdam
+from __future__ import annotations
 
-__all__ = ["Adam", "AdamW", "CPUAdam", "FusedAdam", "backend_info", "__version__"]
+import importlib
+from typing import Any
+
+from ._version import __version__
+
+# The submodule of each public name, imported on first use (PEP 562): `python -m mps_fused_adam
+# --help` runs this file first and must answer without importing torch (a second or more).
+_PUBLIC = {"Adam": "optim", "AdamW": "optim", "CPUAdam": "optim", "FusedAdam": "optim", "backend_info": "backends"}
+
+__all__ = [*_PUBLIC, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -62,6 +62,11 @@ class ForeachBackend:
             torch._foreach_copy_(list(exp_avg_sqs), v)
 
 
+# Every SIMD path the C++ kernel can be built with (src/cpu/dispatch.cpp), best first; which of
+# them a CPU supports is _cpu.simd_paths().
+KNOWN_SIMD_PATHS = ("avx512bf16", "avx512", "avx2", "neon", "scalar")
+
+
 class CPUBackend:
     """The ``_cpu`` extension: SIMD C++ kernel on a persistent thread pool, GIL released."""
 
@@ -73,8 +78,10 @@ class CPUBackend:
         self.simd = _cpu.simd_path()
         wanted = os.environ.get("MPS_FUSED_ADAM_SIMD")
         if wanted and wanted != self.simd:
-            warnings.warn(f"mps_fused_adam: MPS_FUSED_ADAM_SIMD={wanted!r} is not supported on this CPU "
-                          f"(supported: {', '.join(_cpu.simd_paths())}); using {self.simd}", RuntimeWarning)
+            why = "is not supported on this CPU" if wanted in KNOWN_SIMD_PATHS else \
+                f"is unknown (known: {', '.join(KNOWN_SIMD_PATHS)})"
+            warnings.warn(f"mps_fused_adam: MPS_FUSED_ADAM_SIMD={wanted!r} {why} "
+                          f"(supported here: {', '.join(_cpu.simd_paths())}); using {self.simd}", RuntimeWarning)
 
     def update(self, params, grads, exp_avgs, exp_avg_sqs, hp: AdamHyper) -> None:
         self._cpu.adam_step(

@@ -1,4 +1,4 @@
-"""Backends for MPS tensors: tiers 1 to 3 of DESIGN.md section 3, all running metal/fused_adam.metal.
+"""Backends for MPS tensors: tiers 1 to 3 of the README's "Backends on MPS", all running metal/fused_adam.metal.
 
 1. ``_metal`` (Objective-C++ extension): one compute encoder per group on PyTorch's command buffer.
 2. ``torch.mps.load_metallib`` on the bundled ``fused_adam.metallib``: the same kernels, one
@@ -113,8 +113,8 @@ def dispatch_plan(numel: int, max_threads: int = MAX_THREADS_PER_DISPATCH) -> li
 
 def mps_buffer(t: torch.Tensor) -> tuple[int, int, int]:
     """``(MTLBuffer handle, byte offset, numel)``: for an MPS tensor the storage's data pointer is
-    its ``id<MTLBuffer>`` (DESIGN.md section 4); on a CPU tensor the same expression gives the host
-    address, which is what the emulated ``_metal`` of the tests uses."""
+    its ``id<MTLBuffer>`` (PyTorch's MPS allocator stores it there); on a CPU tensor the same
+    expression gives the host address, which is what the emulated ``_metal`` of the tests uses."""
     return (t.untyped_storage().data_ptr(), t.storage_offset() * t.element_size(), t.numel())
 
 

@@ -41,7 +41,16 @@ class _AdamBase(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group`` (also used by the constructor), then a dtype check of the new
+        group's parameters: a rejected group is removed again, so the optimizer is unchanged."""
         _optimizer_method("add_param_group")(self, param_group)
+        gi = len(self.param_groups) - 1
+        group = self.param_groups[gi]
+        names = group.get("param_names")
+        for pi, p in enumerate(group["params"]):
+            if p.dtype not in SUPPORTED_DTYPES:
+                self.param_groups.pop()
+                validate.check_param_dtype(p, names[pi] if names else f"param_groups[{gi}]['params'][{pi}]")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         _optimizer_method("zero_grad")(self, set_to_none)
@@ -67,8 +76,10 @@ class _AdamBase(torch.optim.Optimizer):
 
         torch casts loaded moments to the parameter's dtype; we re-take them from the saved
         tensors in this optimizer's state dtype (fp32 states of bf16 params stay exact), and keep
-        ``step`` as a Python int.
+        ``step`` as a Python int. A state dict of another optimizer (SGD's, say) or with moments
+        of the wrong shape is rejected before anything is loaded.
         """
+        validate.check_adam_state_dict(state_dict, self.param_groups)
         _optimizer_method("load_state_dict")(self, state_dict)
         saved_state = state_dict["state"]
         for saved_group, group in zip(state_dict["param_groups"], self.param_groups):

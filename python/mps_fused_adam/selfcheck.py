@@ -1,7 +1,7 @@
 """Self-check of every available backend against the reference (used by ``python -m mps_fused_adam``).
 
 A backend passes when, after three steps in each mode, its results are within the contract's
-bound of the reference: ``8 * eps(dtype) * max|ref|`` per tensor (DESIGN.md section 2). The
+bound of the reference: ``8 * eps(dtype) * max|ref|`` per tensor (the README's "Numeric contract"). The
 measured worst difference is reported; on CPU it is normally exactly zero.
 """
 from __future__ import annotations

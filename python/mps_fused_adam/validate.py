@@ -35,6 +35,14 @@ def describe(p: torch.Tensor, name: str) -> str:
     return f"{name} (shape {tuple(p.shape)}, {str(p.dtype).replace('torch.', '')}, {p.device})"
 
 
+def check_param_dtype(p: torch.Tensor, name: str) -> None:
+    """A parameter's dtype must be one the kernels have; checked when the parameter is added
+    (construction, ``add_param_group``) and again at each step (``p.data`` may be replaced)."""
+    if p.dtype not in SUPPORTED_DTYPES:
+        hint = " (for float64 parameters use torch.optim.Adam/AdamW)" if p.dtype is torch.float64 else ""
+        raise ValueError(f"{describe(p, name)}: dtype {p.dtype} is not supported; expected {_SUPPORTED_NAMES}{hint}")
+
+
 def check_param(p: torch.Tensor, g: torch.Tensor, name: str, device_type: str | None) -> None:
     """Raise a ValueError naming the parameter, what was expected and what was found."""
     # One cheap test first: the per-step cost of 1,000 tensors must stay small.
@@ -42,9 +50,8 @@ def check_param(p: torch.Tensor, g: torch.Tensor, name: str, device_type: str | 
             and g.device == p.device and g.shape == p.shape
             and (device_type is None or p.device.type == device_type)):
         return
+    check_param_dtype(p, name)
     who = describe(p, name)
-    if p.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"{who}: dtype {p.dtype} is not supported; expected {_SUPPORTED_NAMES}")
     if device_type is not None and p.device.type != device_type:
         raise ValueError(f"{who}: expected a {device_type} tensor, found one on {p.device}")
     if g.layout is not torch.strided:
@@ -67,3 +74,46 @@ def check_state(p: torch.Tensor, state: Mapping[str, Any], name: str, state_dtyp
         if t.shape != p.shape or t.device != p.device or t.dtype is not state_dtype:
             raise ValueError(f"{describe(p, name)}: optimizer state '{key}' is {describe(t, key)}; expected "
                              f"shape {tuple(p.shape)}, {str(state_dtype).replace('torch.', '')}, {p.device}")
+
+
+# What marks a state dict as Adam's: every group has these hyperparameters (torch.optim.Adam/AdamW,
+# ours, DeepSpeed's FusedAdam and DeepSpeedCPUAdam all do; SGD, Adagrad, RMSprop... do not).
+_ADAM_GROUP_KEYS = ("betas", "eps")
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def check_adam_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict[str, Any]]) -> None:
+    """Reject, before anything is loaded, a state dict that is not an Adam-family optimizer's
+    or whose moments do not fit this optimizer's parameters. Structural mismatches (group or
+    parameter counts) are left to torch's own checks, which follow."""
+    if not isinstance(state_dict, Mapping) or "param_groups" not in state_dict or "state" not in state_dict:
+        found = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
+        raise ValueError(f"not an optimizer state dict: expected keys 'state' and 'param_groups', found {found}")
+    saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+    for gi, saved in enumerate(saved_groups):
+        missing = [k for k in _ADAM_GROUP_KEYS if k not in saved]
+        if missing:
+            keys = sorted(k for k in saved if k != "params")
+            raise ValueError(f"not an Adam-family state dict: param_groups[{gi}] has no {' or '.join(map(repr, missing))} "
+                             f"(its hyperparameters are {keys}); expected one saved by an Adam/AdamW optimizer")
+        if saved.get("amsgrad"):
+            raise ValueError(f"param_groups[{gi}] of the state dict has amsgrad=True, which mps_fused_adam does not "
+                             "implement (use torch.optim.Adam/AdamW with amsgrad)")
+    if len(saved_groups) != len(param_groups):
+        return
+    for gi, (saved, group) in enumerate(zip(saved_groups, param_groups)):
+        if len(saved["params"]) != len(group["params"]):
+            return
+        names = group.get("param_names")
+        for pi, (key, p) in enumerate(zip(saved["params"], group["params"])):
+            st = saved_state.get(key)
+            if not st:
+                continue
+            name = names[pi] if names else f"param_groups[{gi}]['params'][{pi}]"
+            if not all(isinstance(st.get(k), torch.Tensor) for k in _MOMENTS):
+                raise ValueError(f"not an Adam-family state dict: the state of {describe(p, name)} has keys "
+                                 f"{sorted(st)}; expected tensors 'exp_avg' and 'exp_avg_sq'")
+            for k in _MOMENTS:
+                if st[k].shape != p.shape:
+                    raise ValueError(f"{describe(p, name)}: the state dict's '{k}' has shape {tuple(st[k].shape)}; "
+                                     f"expected {tuple(p.shape)}")
