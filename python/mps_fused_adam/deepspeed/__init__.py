@@ -153,8 +153,8 @@ def install(block_jit: bool = True, use_mps: bool | None = None,
     Raises:
         ImportError: DeepSpeed is not installed. RuntimeError: it is older than ``MIN_DEEPSPEED``.
     """
-    env_set = _single_process_defaults() if single_process_defaults else {}
     deepspeed = _import_deepspeed()
+    env_set = _single_process_defaults() if single_process_defaults else {}
     from deepspeed.accelerator import get_accelerator
 
     from .builders import OUR_OPS, Redirect, patch_accelerator, rebind_names, refresh_compatibility
