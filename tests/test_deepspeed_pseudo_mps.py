@@ -83,7 +83,10 @@ def grads(tmp_path_factory):
 
 
 def test_the_accelerator_is_ours(single):
+    import deepspeed
+
     from mps_fused_adam.deepspeed.accelerator import deepspeed_mps_is_complete
+    assert single["deepspeed"] == deepspeed.__version__  # the runner ran this DeepSpeed
     assert single["accelerator_class"] == "MPSFusedAdamAccelerator"
     assert single["install"]["accelerator"] == "mps"
     assert single["complete_base"] is deepspeed_mps_is_complete(), single["deepspeed"]
