@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13: the pseudo-MPS ZeRO matrix (tests/test_deepspeed_pseudo_mps.py) against older DeepSpeed
 # releases, so that "complete the stub" is tested against the real stubs (DeepSpeed 0.14 to
-# early 0.19 ship an incomplete MPS accelerator). 0.19.8 runs in the main suite.
+# 0.19.5 ship an incomplete MPS accelerator). 0.19.8 runs in the main suite.
 #
 #   bash ci/test_deepspeed_releases.sh BASE_PYTHON [RELEASE...]
 #

@@ -3,7 +3,7 @@
 Pseudo-MPS mode (tests/deepspeed_support/pseudo_mps.py): the MPS queries are stand-ins, the
 accelerator's device is the CPU, and everything else is what a Mac runs: DeepSpeed auto-detects
 "MPS" when it is imported, ``install()`` builds the extended ``MPS_Accelerator`` of the installed
-DeepSpeed release (the stub of 0.14 to early 0.19, or the complete class), and the engine, the ZeRO
+DeepSpeed release (the stub of 0.14 to 0.19.5, or the complete class), and the engine, the ZeRO
 optimizers, the comm layer (gloo, every device tensor staged through a CPU copy) and the memory
 reports run through it. Not run on Apple hardware.
 

@@ -1,8 +1,8 @@
 """The MPS accelerator for DeepSpeed: DeepSpeed's own, extended only where it must be.
 
-DeepSpeed 0.19 carries a complete ``MPS_Accelerator`` (memory statistics from ``torch.mps``,
+DeepSpeed 0.19.6 and later carry a complete ``MPS_Accelerator`` (memory statistics from ``torch.mps``,
 gloo with CPU staging of MPS tensors in its comm backend, ``pin_memory`` a no-op). Releases 0.14
-to 0.18 carry a stub (no comm backend, ``None`` memory statistics, fp32 only, ``stream()`` that
+to 0.19.5 carry a stub (no comm backend, ``None`` memory statistics, fp32 only, ``stream()`` that
 returns ``None``, ``pin_memory`` that raises for MPS). :func:`mps_accelerator` subclasses
 whichever one is installed and adds:
 
@@ -60,7 +60,7 @@ def macos_at_least(major: int, minor: int = 0) -> bool:
 
 
 def deepspeed_mps_is_complete() -> bool:
-    """True when the installed DeepSpeed's MPS support is the complete one (0.19.8 and later):
+    """True when the installed DeepSpeed's MPS support is the complete one (0.19.6 and later):
     its comm backend stages MPS tensors through the CPU for gloo. The stub releases lack it."""
     import importlib
     # importlib, not `import deepspeed.comm.torch as m`: that resolves the name `torch` on
