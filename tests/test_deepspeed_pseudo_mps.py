@@ -23,7 +23,8 @@ Checks:
   backwards and the parameters after 3 steps equal one process on the same global batch (fp32,
   1e-6 relative to the tensor's largest magnitude; measured 2.3e-7 for the gradients, 1.5e-7 for
   the parameters). Copying a staged collective's inputs back over its outputs (issue 13, item 3)
-  leaves ZeRO-3's gradients unreduced: measured 1.0 relative off.
+  leaves ZeRO-3's gradients unreduced: measured 1.0 relative off. Both ranks' engines are on the
+  one (pseudo) device.
 """
 from __future__ import annotations
 
@@ -127,6 +128,8 @@ def test_two_processes_equal_one_on_the_global_batch(grads, spec):
     for out in pair:
         (res,) = [r for r in out["results"] if r["config"] == cfg and r["dtype"] == dtype]
         assert res["world_size"] == 2 and ref["world_size"] == 1
+        # Every local rank on the one device (issue 13, item 5; DeepSpeed 0.14.4 made it "cpu:1").
+        assert res["device"] == "cpu", (res["rank"], res["device"])
         for step, (g, g_ref) in enumerate(zip(res["grads"], ref["grads"], strict=True)):
             for name in ref["names"]:
                 err = _max_rel(g[name], g_ref[name])

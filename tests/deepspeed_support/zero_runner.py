@@ -159,8 +159,9 @@ def run_grads(name: str, dtype: str, rank: int, world_size: int) -> dict:
         grads.append({n: _flat(safe_get_full_grad(p)) for n, p in engine.module.named_parameters()})
         engine.step()
     params = {n: _flat(safe_get_full_fp32_param(p)) for n, p in engine.module.named_parameters()}
+    device = str(engine.device)
     engine.destroy()
-    return {"config": "grads-" + name, "dtype": dtype, "rank": rank, "world_size": world_size,
+    return {"config": "grads-" + name, "dtype": dtype, "rank": rank, "world_size": world_size, "device": device,
             "names": names, "grads": grads, "params": params}
 
 

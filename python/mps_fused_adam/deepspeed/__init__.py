@@ -94,12 +94,13 @@ def _single_process_defaults() -> Dict[str, str]:
 def _apply_runtime_fixes(accel) -> list:
     """Rebind accelerator methods DeepSpeed bound at import; on our MPS accelerator, also the
     output-only CPU staging and the explicit ordering of host copies (see .runtime_fixes)."""
-    from .runtime_fixes import order_host_copies, rebind_accelerator_methods
+    from .runtime_fixes import one_device_engine, order_host_copies, rebind_accelerator_methods
     rebound = rebind_accelerator_methods(accel)
     if getattr(accel, "mps_fused_adam_complete_base", None) is not None:
         from .staging import install_cpu_staging
         install_cpu_staging()
         order_host_copies()
+        one_device_engine()
     return rebound
 
 

@@ -16,6 +16,11 @@
   its reduction stream and offload-copy events there) and at the start of ``step()`` (before the
   overflow check, the gradient norm and the CPU optimizer read the offloaded gradients).
 
+* :func:`one_device_engine`: DeepSpeed 0.14.4 sets the engine's device to
+  ``torch.device(device_name(), local_rank)``, i.e. ``mps:1`` for local rank 1, bypassing the
+  accelerator's mapping of every local rank to the one MPS device (later releases ask
+  ``device_name(local_rank)``). The engine's device is set from the accelerator afterwards.
+
 This module imports DeepSpeed; it is imported only by ``install()``.
 """
 from __future__ import annotations
@@ -24,7 +29,9 @@ import functools
 import sys
 from typing import List
 
-__all__ = ["rebind_accelerator_methods", "order_host_copies"]
+import torch
+
+__all__ = ["rebind_accelerator_methods", "order_host_copies", "one_device_engine"]
 
 # (module, class) pairs of DeepSpeed's ZeRO optimizers, and the methods after/before which the
 # device is synchronised.
@@ -102,3 +109,27 @@ def order_host_copies() -> List[str]:
             setattr(cls, name, wrap(method))
             wrapped.append(f"{cls_name}.{name}")
     return wrapped
+
+
+def one_device_engine() -> List[str]:
+    """Wrap ``DeepSpeedEngine._set_distributed_vars`` (once) so that, on this package's MPS
+    accelerator, the engine's device is the accelerator's one device for every local rank."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    method = DeepSpeedEngine.__dict__.get("_set_distributed_vars")
+    if method is None or getattr(method, "_mps_fused_adam_ordered", False):
+        return []
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        result = method(self, *args, **kwargs)
+        from deepspeed.accelerator import get_accelerator
+        accel = get_accelerator()
+        device = getattr(self, "device", None)
+        if _is_ours(accel) and isinstance(device, torch.device) and device.type == accel.device_name():
+            self.device = accel.device(device.index or 0)
+        return result
+
+    wrapper._mps_fused_adam_ordered = True
+    DeepSpeedEngine._set_distributed_vars = wrapper
+    return ["DeepSpeedEngine._set_distributed_vars"]
