@@ -34,8 +34,10 @@ __all__ = ["install", "installed", "kernel_calls", "reset_kernel_calls", "MIN_DE
 MIN_DEEPSPEED = "0.14.4"
 #: The release the whole test suite runs against in CI.
 TESTED_DEEPSPEED = "0.19.8"
-#: Releases CI runs the pseudo-MPS ZeRO matrix against (ci/test_deepspeed_releases.sh), one per
-#: minor release from MIN_DEEPSPEED on; not run on Apple hardware.
+#: Releases the pseudo-MPS ZeRO tests (tests/test_deepspeed_pseudo_mps.py) pass with, one per minor
+#: release from MIN_DEEPSPEED on; not run on Apple hardware. CI runs 0.19.8 in the main suite and
+#: 0.14.4, 0.16.9, 0.18.9 by ci/test_deepspeed_releases.sh; 0.15.4 and 0.17.6 were run by the same
+#: script on the development machine.
 PSEUDO_MPS_TESTED = ("0.14.4", "0.15.4", "0.16.9", "0.17.6", "0.18.9", "0.19.8")
 
 #: Set by install() when none of them is set (a single process started without a launcher).
