@@ -204,3 +204,15 @@ def test_deepspeed_019_staging_is_bypassed(staging, monkeypatch):
     flat = mps([0.0, 1.0, 2.0, 3.0])
     ours.reduce_scatter_tensor(flat[:2], flat, torch.distributed.ReduceOp.SUM, None, False)
     assert torch.equal(flat, torch.tensor([10.0, 12.0, 2.0, 3.0]))
+
+
+def test_tensors_that_require_grad(staging):
+    """Collectives are outside autograd: staging a parameter-like leaf that requires grad (grad
+    mode on) neither records autograd ops nor trips autograd's in-place checks (DeepSpeed 0.18.9's
+    ZeRO-2 step all-gathers into such a buffer)."""
+    b = wrapped_backend(staging)
+    flat = mps([0.0, 1.0, 2.0, 3.0]).requires_grad_()
+    with torch.enable_grad():
+        b.all_gather_into_tensor(flat, flat[2:].detach())
+    assert torch.equal(flat.detach(), torch.tensor([2.0, 3.0, 10.0, 11.0]))
+    assert flat.grad_fn is None and flat.is_leaf

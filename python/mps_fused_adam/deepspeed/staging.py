@@ -78,8 +78,16 @@ def needs_staging(t) -> bool:
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
-    # copy=True: a real copy also when the "device" is the CPU (pseudo-MPS mode), as on a Mac.
-    return t.to("cpu", copy=True)
+    # detach: collectives are outside autograd (a backend writes the memory directly); a copy that
+    # required grad makes torch's gloo all_gather_into_tensor fail on its split views (seen with
+    # DeepSpeed 0.18.9's ZeRO-2 step). copy=True: a real copy also when the "device" is the CPU
+    # (pseudo-MPS mode), as on a Mac.
+    return t.detach().to("cpu", copy=True)
+
+
+def _copy_back(device_tensor: torch.Tensor, host_tensor: torch.Tensor) -> None:
+    # Into the same memory, outside autograd, as a backend writing device memory would.
+    device_tensor.detach().copy_(host_tensor)
 
 
 class _StagedWork:
@@ -141,7 +149,7 @@ def staged(name: str, func: Callable) -> Callable:
 
         def copy_back():
             for device_tensor, host_tensor in pairs:
-                device_tensor.copy_(host_tensor)
+                _copy_back(device_tensor, host_tensor)
 
         if name in _ALWAYS_ASYNC or staged_args.get("async_op", False):
             # torch.distributed returns None for ranks outside the group: nothing to copy then.
@@ -183,7 +191,7 @@ def staged_batch_isend_irecv(func: Callable) -> Callable:
             waited.add(index)
             if len(waited) == len(handles):
                 for device_tensor, host_tensor in pairs:
-                    device_tensor.copy_(host_tensor)
+                    _copy_back(device_tensor, host_tensor)
 
         return [_StagedWork(w, functools.partial(copy_back_when_all_waited, i)) for i, w in enumerate(handles)]
 
