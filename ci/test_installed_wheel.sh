@@ -45,6 +45,8 @@ auditwheel show "$WHEEL"
 # explicitly first, so the wheel's `torch>=2.4` is already met and pip downloads no other build.
 "$PY" -m venv "$WORK/venv"
 VPY="$WORK/venv/bin/python"
+# MFA_VENV_LINK=PATH: a symlink to this environment, for ci/test_deepspeed_releases.sh (.ci/run).
+if [ -n "${MFA_VENV_LINK:-}" ]; then ln -sfn "$WORK/venv" "$MFA_VENV_LINK"; fi
 "$VPY" -m pip install -q torch==2.13.0
 "$VPY" -m pip install -q "${WHEEL}[test]"
 if [ -n "${MFA_DEEPSPEED:-}" ]; then

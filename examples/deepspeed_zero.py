@@ -3,9 +3,16 @@
     python examples/deepspeed_zero.py --stage 2 --offload-optimizer
     python examples/deepspeed_zero.py --stage 3 --offload-optimizer --offload-param --bf16
 
-Runs on MPS when present, else on the CPU, as one process without a launcher (it sets
-MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE itself when they are missing; under the
-``deepspeed`` launcher or torchrun it uses theirs). DeepSpeed builds its own optimizer from the
+Runs on MPS when present, else on the CPU. As one process without a launcher,
+``mps_fused_adam.deepspeed.install()`` sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT for a single process (none of them was set); under a launcher it uses theirs:
+
+    deepspeed --num_gpus 1 examples/deepspeed_zero.py --stage 2
+    torchrun --nproc_per_node 2 examples/deepspeed_zero.py --stage 3   # two ranks, one Mac GPU
+
+On a Mac every local rank runs on the one MPS device (``mps:0``), and the ranks talk over gloo
+with MPS tensors staged through the CPU. (Launcher and MPS runs are untested on Apple hardware.)
+DeepSpeed builds its own optimizer from the
 config (``FusedAdam``, or ``DeepSpeedCPUAdam`` with optimizer offload); after
 ``mps_fused_adam.deepspeed.install()`` their kernels are ours and nothing is JIT-compiled. The
 script prints the loss per step and, at the end, which optimizer class DeepSpeed built and which
@@ -15,15 +22,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import time
 import warnings
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -35,18 +35,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     parser.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (default 1e-2)")
     parser.add_argument("--hidden", type=int, default=256, help="width of the model's two hidden layers (default 256)")
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's
     args = parser.parse_args()
     if args.offload_param and args.stage != 3:
         parser.error("--offload-param needs --stage 3")
     if args.offload_optimizer and args.stage == 0:
         parser.error("--offload-optimizer needs ZeRO stage 1, 2 or 3")
-
-    # A single process needs the rendezvous variables that a launcher would otherwise set.
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
 
     # ZeRO calls torch.distributed's all_gather_into_tensor and reduce_scatter_tensor, which torch
     # 2.13 marks deprecated with a FutureWarning at every step; harmless here, and DeepSpeed's to
@@ -58,10 +52,15 @@ def main() -> None:
 
     import mps_fused_adam.deepspeed as mfd
 
-    report = mfd.install()  # before deepspeed.initialize; safe whether or not deepspeed was imported
+    # Before deepspeed.initialize; safe whether or not deepspeed was imported. Without a launcher
+    # it sets the single-process rendezvous variables (report["env_set"]).
+    report = mfd.install()
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if report["env_set"]:
+        print("no launcher: install() set " + ", ".join(f"{k}={v}" for k, v in sorted(report["env_set"].items())))
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, args.hidden), torch.nn.GELU(),
@@ -81,7 +80,7 @@ def main() -> None:
     }
     t0 = time.perf_counter()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    print(f"accelerator: {report['accelerator']}, device: {engine.device}, ZeRO stage {args.stage}, "
+    print(f"rank {rank} of {world}, accelerator: {report['accelerator']}, device: {engine.device}, ZeRO stage {args.stage}, "
           f"offload optimizer: {args.offload_optimizer}, offload params: {args.offload_param}, "
           f"{'bf16' if args.bf16 else 'fp32'}")
 
@@ -96,7 +95,8 @@ def main() -> None:
         loss = torch.nn.functional.cross_entropy(engine(x).float(), y)
         engine.backward(loss)
         engine.step()
-        print(f"step {step:3d}  loss {loss.item():.4f}")
+        if rank == 0:
+            print(f"step {step:3d}  loss {loss.item():.4f}")
     seconds = time.perf_counter() - t0
 
     from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
@@ -106,6 +106,9 @@ def main() -> None:
         basic = basic.optimizer
     import mps_fused_adam.backends as backends
 
+    if rank != 0:
+        engine.destroy()
+        return
     print(f"DeepSpeed optimizer: {type(basic).__module__}.{type(basic).__name__}")
     print("mps_fused_adam kernels that ran (facade:backend -> calls): "
           + ", ".join(f"{k} -> {n}" for k, n in sorted(mfd.kernel_calls().items())))

@@ -1,4 +1,5 @@
-"""examples/deepspeed_zero.py runs as a single process without a launcher and without a compiler."""
+"""examples/deepspeed_zero.py runs as a single process without a launcher, and as two processes
+under torchrun, without a compiler."""
 from __future__ import annotations
 
 import re
@@ -21,6 +22,9 @@ def test_example_zero3_offload(tmp_path):
     out = run.stdout
     # ZeRO-3's collectives make torch 2.13 warn at every step; the example filters exactly those.
     assert "FutureWarning" not in run.stderr, run.stderr
+    assert re.search(r"^no launcher: install\(\) set LOCAL_RANK=0, MASTER_ADDR=127.0.0.1, MASTER_PORT=\d+, "
+                     r"RANK=0, WORLD_SIZE=1$", out, re.M), out
+    assert "rank 0 of 1, accelerator: cpu" in out, out
     losses = [float(x) for x in re.findall(r"^step +\d+ +loss ([0-9.]+)$", out, re.M)]
     assert len(losses) == 5, out
     assert all(b < a for a, b in zip(losses, losses[1:])), f"the loss did not fall at every step: {losses}"
@@ -28,4 +32,21 @@ def test_example_zero3_offload(tmp_path):
     calls = re.search(r"adam_update:(\w+) -> (\d+)", out)
     assert calls and int(calls.group(2)) == 5, out
     assert "multi_tensor_adam" not in out.split("kernels that ran")[1].splitlines()[0]
+    assert dsenv.extensions_built(tmp_path) == []
+
+
+def test_example_under_torchrun_two_processes(tmp_path):
+    """The launcher case: torchrun sets the rendezvous variables, install() sets none."""
+    dsenv.require_deepspeed()
+    env = dsenv.no_compiler_env(tmp_path, OMP_NUM_THREADS="1")
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(var, None)
+    out = dsenv.run_python(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                            str(dsenv.free_port()), str(EXAMPLE), "--stage", "3", "--steps", "3", "--hidden", "32"],
+                           env, timeout=300).stdout
+    assert "rank 0 of 2, accelerator: cpu" in out and "rank 1 of 2, accelerator: cpu" in out, out
+    assert "no launcher" not in out
+    losses = [float(x) for x in re.findall(r"^step +\d+ +loss ([0-9.]+)$", out, re.M)]
+    assert len(losses) == 3 and losses[-1] < losses[0], out
+    assert re.search(r"multi_tensor_adam:(\w+) -> 3", out), out
     assert dsenv.extensions_built(tmp_path) == []

@@ -6,6 +6,7 @@ changes process-wide DeepSpeed state), without a compiler or ninja on PATH.
 """
 from __future__ import annotations
 
+import os
 import sys
 import textwrap
 import types
@@ -125,9 +126,11 @@ def test_block_jit_false_leaves_other_ops_to_deepspeed(tmp_path):
 
 def test_missing_deepspeed_is_a_clear_import_error(monkeypatch):
     import mps_fused_adam.deepspeed as mfd
+    before = os.environ.get("MASTER_PORT")
     monkeypatch.setitem(sys.modules, "deepspeed", None)
     with pytest.raises(ImportError, match=r"needs DeepSpeed.*pip install --no-build-isolation"):
         mfd.install()
+    assert "MASTER_PORT" not in os.environ or os.environ.get("MASTER_PORT") == before  # nothing set
 
 
 def test_old_deepspeed_is_a_clear_runtime_error(monkeypatch):
@@ -136,7 +139,7 @@ def test_old_deepspeed_is_a_clear_runtime_error(monkeypatch):
     fake.__version__ = "0.9.5"
     fake.__file__ = "/somewhere/deepspeed/__init__.py"
     monkeypatch.setitem(sys.modules, "deepspeed", fake)
-    with pytest.raises(RuntimeError, match=r"DeepSpeed >= 0\.14\.0 \(tested with 0\.19\.8\); found 0\.9\.5"):
+    with pytest.raises(RuntimeError, match=r"DeepSpeed >= 0\.14\.4 \(tested with 0\.19\.8\); found 0\.9\.5"):
         mfd.install()
 
 
@@ -147,3 +150,75 @@ def test_version_parsing():
     assert _version_tuple("0.15.0rc1") == (0, 15, 0)
     assert _version_tuple("1.0") == (1, 0, 0)
     assert _version_tuple("0.13.9") < _version_tuple("0.14.0") <= _version_tuple("0.14.0")
+
+
+RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
+
+
+def _run_bare(tmp_path, code: str, **env_extra) -> str:
+    """Like _run, in an environment without any launcher variable (plus env_extra)."""
+    dsenv.require_deepspeed()
+    env = dsenv.no_compiler_env(tmp_path)
+    for var in RENDEZVOUS + ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"):
+        env.pop(var, None)
+    env.update(env_extra)
+    proc = dsenv.run_python(["-c", textwrap.dedent(code)], env, timeout=300)
+    assert dsenv.extensions_built(tmp_path) == [], "something was JIT-built"
+    return proc.stdout
+
+
+def test_single_process_without_launcher_initializes(tmp_path):
+    """Issue 13, item 7: without RANK/MASTER_ADDR DeepSpeed's init_distributed tries MPI discovery
+    (mpi4py); install() sets the single-process defaults instead, and says so in its report."""
+    out = _run_bare(tmp_path, """
+    import os
+    import mps_fused_adam.deepspeed as mfd
+    report = mfd.install()
+    env = report["env_set"]
+    assert sorted(env) == ["LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"], env
+    assert env["RANK"] == "0" and env["WORLD_SIZE"] == "1" and env["MASTER_ADDR"] == "127.0.0.1"
+    assert int(env["MASTER_PORT"]) > 0 and all(os.environ[k] == v for k, v in env.items())
+    assert mfd.install()["env_set"] == env  # idempotent
+    import deepspeed, torch.distributed as dist
+    deepspeed.init_distributed(dist_backend="gloo")
+    assert dist.get_world_size() == 1 and dist.get_rank() == 0
+    print("OK")
+    """)
+    assert "OK" in out
+
+
+@pytest.mark.parametrize("present", [{"RANK": "0"}, {"OMPI_COMM_WORLD_SIZE": "1"}])
+def test_launcher_variables_are_left_alone(tmp_path, present):
+    """Any rendezvous variable or an MPI launcher present: install() sets nothing."""
+    out = _run_bare(tmp_path, """
+    import os
+    import mps_fused_adam.deepspeed as mfd
+    assert mfd.install()["env_set"] == {}
+    print("UNSET", sorted(k for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK") if k in os.environ))
+    """, **present)
+    assert "UNSET []" in out
+
+
+def test_accelerator_methods_bound_at_import_are_rebound(tmp_path):
+    """Issue 13, item 1: `import deepspeed` binds get_accelerator().memory_reserved in
+    deepspeed.runtime.utils on the accelerator it auto-detects (on a Mac with DeepSpeed 0.14 to
+    0.18: the stub, whose method returns None). After install() they are the active accelerator's."""
+    out = _run_bare(tmp_path, """
+    import pseudo_mps
+    pseudo_mps.activate()
+    import deepspeed
+    import deepspeed.runtime.utils as u
+    from deepspeed.accelerator import get_accelerator
+    detected = u.torch_memory_reserved.__self__
+    print("DETECTED", type(detected).__name__)
+    import mps_fused_adam.deepspeed as mfd
+    report = mfd.install()
+    acc = get_accelerator()
+    assert acc is not detected and type(acc).__name__ == "MPSFusedAdamAccelerator"
+    assert u.torch_memory_reserved.__self__ is acc and u.torch_max_memory_reserved.__self__ is acc
+    assert u.torch_memory_reserved() == 3 << 30 and u.torch_max_memory_reserved() == 3 << 30
+    assert "deepspeed.runtime.utils.torch_memory_reserved" in report["rebound"], report["rebound"]
+    u.see_memory_usage("after install", force=True)  # a TypeError with a stub's None
+    print("OK")
+    """)
+    assert "DETECTED MPS_Accelerator" in out and "OK" in out

@@ -6,11 +6,18 @@ which proves nothing is JIT-built). Also usable by hand:
 
     PYTHONPATH=python python tests/deepspeed_support/zero_runner.py s2-off:fp32 s3:bf16
 
-Each argument is ``<config>:<dtype>`` with config one of CONFIGS. World size and rank come from
-the usual RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT variables (1 process when unset). The last
-line of stdout is one JSON object: per configuration, the losses of DeepSpeed and of the reference,
-a control run with half the learning rate, the optimizer class DeepSpeed built, which kernels ran, and the seconds from
-``deepspeed.initialize`` to the end of the fifth step.
+Each argument is ``<config>:<dtype>`` with config one of CONFIGS, or ``grads-<config>:<dtype>``
+(GRAD_STEPS steps on a fixed global batch of GLOBAL_BATCH samples split over the ranks; reports
+the full reduced gradient of every parameter after each backward and the full parameters at the
+end, for comparison with one process on the whole batch). World size and rank come from the usual
+RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT variables (1 process when unset). The last line of
+stdout is one JSON object: per configuration, the losses of DeepSpeed and of the reference, a
+control run with half the learning rate, the optimizer class DeepSpeed built, which kernels ran,
+and the seconds from ``deepspeed.initialize`` to the end of the fifth step.
+
+With MFA_PSEUDO_MPS=1 the runner enters pseudo-MPS mode (pseudo_mps.py) before importing
+DeepSpeed, imports DeepSpeed before ``install()`` (as most users do), and also reports the
+accelerator, the engine's device and the order of synchronisations and kernel calls.
 """
 from __future__ import annotations
 
@@ -23,6 +30,8 @@ import torch
 
 STEPS = 5
 MICRO_BATCH = 8
+GRAD_STEPS = 3
+GLOBAL_BATCH = 16
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.01
 
 # name -> (ZeRO stage, offload_optimizer to CPU, offload_param to CPU)
@@ -120,6 +129,59 @@ def reference_losses(dtype: str, rank: int, world_size: int, lr: float = LR, ini
     return losses
 
 
+def _flat(t) -> list:
+    return t.detach().float().reshape(-1).tolist()
+
+
+def run_grads(name: str, dtype: str, rank: int, world_size: int) -> dict:
+    """GRAD_STEPS steps on GLOBAL_BATCH samples per step, this rank's share of each; the full
+    reduced gradients after every backward and the full parameters after the last step."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+    stage, off_opt, off_param = CONFIGS[name]
+    model = make_model()
+    g = torch.Generator().manual_seed(7)
+    xs = torch.randn(GRAD_STEPS, GLOBAL_BATCH, 16, generator=g)
+    ys = torch.randn(GRAD_STEPS, GLOBAL_BATCH, 4, generator=g)
+    share = GLOBAL_BATCH // world_size
+    sl = slice(rank * share, (rank + 1) * share)
+    config = ds_config(stage, off_opt, off_param, dtype)
+    config["train_micro_batch_size_per_gpu"] = share
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    names = [n for n, _ in engine.module.named_parameters()]
+    grads = []
+    for step in range(GRAD_STEPS):
+        x = xs[step][sl].to(engine.device)
+        if dtype == "bf16":
+            x = x.to(torch.bfloat16)
+        engine.backward(loss_fn(engine(x), ys[step][sl].to(engine.device)))
+        grads.append({n: _flat(safe_get_full_grad(p)) for n, p in engine.module.named_parameters()})
+        engine.step()
+    params = {n: _flat(safe_get_full_fp32_param(p)) for n, p in engine.module.named_parameters()}
+    device = str(engine.device)
+    engine.destroy()
+    return {"config": "grads-" + name, "dtype": dtype, "rank": rank, "world_size": world_size, "device": device,
+            "names": names, "grads": grads, "params": params}
+
+
+def _pseudo_mps_logging() -> None:
+    """Pseudo-MPS mode: log the kernel calls next to the synchronisations (pseudo_mps.LOG)."""
+    import pseudo_mps
+    from mps_fused_adam.deepspeed.ops import CPU_ADAM_OP, FUSED_ADAM_OP
+
+    def logged(fn, tag):
+        def call(*args, **kwargs):
+            pseudo_mps.LOG.append(tag)
+            return fn(*args, **kwargs)
+        return call
+
+    if not getattr(CPU_ADAM_OP, "_logged", False):
+        CPU_ADAM_OP.adam_update = logged(CPU_ADAM_OP.adam_update, "adam")
+        FUSED_ADAM_OP.multi_tensor_adam = logged(FUSED_ADAM_OP.multi_tensor_adam, "adam")
+        CPU_ADAM_OP._logged = True
+
+
 def run_one(name: str, dtype: str, rank: int, world_size: int) -> dict:
     import deepspeed
     from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
@@ -128,11 +190,15 @@ def run_one(name: str, dtype: str, rank: int, world_size: int) -> dict:
     from mps_fused_adam.deepspeed.ops import CPU_ADAM_OP, FUSED_ADAM_OP
 
     stage, off_opt, off_param = CONFIGS[name]
-    zero_step = stage == 0 and dtype == "bf16"  # see reference_losses
     model = make_model()
     xs, ys = make_data(world_size)
     sl = slice(rank * MICRO_BATCH, (rank + 1) * MICRO_BATCH)
     mfd.reset_kernel_calls()
+    pseudo = os.environ.get("MFA_PSEUDO_MPS") == "1"
+    if pseudo:
+        import pseudo_mps
+        _pseudo_mps_logging()
+        del pseudo_mps.LOG[:]
     t0 = time.perf_counter()
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                    config=ds_config(stage, off_opt, off_param, dtype))
@@ -142,10 +208,16 @@ def run_one(name: str, dtype: str, rank: int, world_size: int) -> dict:
         if dtype == "bf16":
             x = x.to(torch.bfloat16)
         loss = loss_fn(engine(x), ys[step][sl].to(engine.device))
+        if pseudo:
+            pseudo_mps.LOG.append("backward")
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
     seconds = time.perf_counter() - t0
+    # See reference_losses. DeepSpeed 0.19 runs stage 0 + bf16 through FP16_Optimizer; 0.14 to
+    # 0.18 through BF16_Optimizer, which takes no initial step.
+    wrapper = type(engine.optimizer).__name__
+    zero_step = stage == 0 and dtype == "bf16" and wrapper == "FP16_Optimizer"
 
     # The optimizer DeepSpeed built from the config, under whatever ZeRO / bf16 wrapper holds it.
     basic = engine.optimizer
@@ -166,7 +238,10 @@ def run_one(name: str, dtype: str, rank: int, world_size: int) -> dict:
         "optimizer_class": f"{type(basic).__module__}.{type(basic).__qualname__}",
         "optimizer_exact_type": type(basic) in (FusedAdam, DeepSpeedCPUAdam),
         "kernel_is_ours": kernel_is_ours, "kernel_calls": mfd.kernel_calls(), "seconds": seconds,
+        "device": str(engine.device), "wrapper": wrapper,
     }
+    if pseudo:
+        result["order"] = list(pseudo_mps.LOG)
     engine.destroy()
     del engine, optimizer, basic
     return result
@@ -183,19 +258,30 @@ def main(argv: list) -> int:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
 
     t0 = time.perf_counter()
+    if os.environ.get("MFA_PSEUDO_MPS") == "1":
+        import pseudo_mps
+        pseudo_mps.activate()
+        import deepspeed  # before install(), as most users do: DeepSpeed auto-detects "MPS"
     import mps_fused_adam.deepspeed as mfd
     report = mfd.install()
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
     deepspeed.init_distributed(dist_backend="gloo")
     setup_seconds = time.perf_counter() - t0
 
     results = []
     for arg in argv:
         name, dtype = arg.split(":")
-        results.append(run_one(name, dtype, rank, world_size))
+        if name.startswith("grads-"):
+            results.append(run_grads(name[len("grads-"):], dtype, rank, world_size))
+        else:
+            results.append(run_one(name, dtype, rank, world_size))
     import deepspeed.ops
+    accel = get_accelerator()
     out = {"install": report, "setup_seconds": setup_seconds, "results": results,
-           "compatible_ops": dict(deepspeed.ops.__compatible_ops__)}
+           "compatible_ops": dict(deepspeed.ops.__compatible_ops__),
+           "deepspeed": deepspeed.__version__, "accelerator_class": type(accel).__name__,
+           "complete_base": getattr(accel, "mps_fused_adam_complete_base", None)}
     print("\nMFA-RESULT " + json.dumps(out), flush=True)
     return 0
 
