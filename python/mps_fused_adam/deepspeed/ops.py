@@ -215,18 +215,38 @@ class CPUAdamOp:
         DeepSpeed's slightly different rounding of it. Where DeepSpeed ignores the
         flags (it always bias-corrects and always treats weight decay as decoupled), this honours
         ``bias_correction=False`` and L2 mode (``adamw_mode=False``), so the rollback inverts the
-        step that was actually taken. Like DeepSpeed, only fp32 tensors can be rolled back (low
-        precision storage cannot be inverted); DeepSpeed then prints an error and returns -1 with
-        nothing changed, after which its caller decrements the step anyway, so this raises instead.
-        The result equals the state before the step up to fp32 rounding, not bit for bit.
+        step that was actually taken. The result equals the state before the step up to fp32
+        rounding, not bit for bit.
+
+        fp16 and bf16 storage (params and grads, and states in fp32 or the param dtype) is rolled
+        back too, where DeepSpeed's returns -1 and changes nothing (its caller then decrements the
+        step count anyway, leaving the state one step ahead of its count): every tensor is widened
+        to fp32 exactly, the fp32 inverse above runs, ``exp_avg_sq`` is clamped at 0 (it is a sum of
+        squares, and the rounding of the stored value can push the inverse below 0, which would make
+        a later step take the square root of a negative number), and the results are rounded to
+        each tensor's storage dtype. With ``u`` the unit roundoff of a storage dtype (bf16 2**-8,
+        fp16 2**-11, fp32 2**-24) and ``Δ = lr * m̂ / (sqrt(v̂) + eps)`` the step's update, the
+        restored values lie within::
+
+            |p' - p0| <= (u_p |p1| + (u_m + u_v) |Δ|) / decay + u_p |p'|
+            |m' - m0| <= u_m |m1| / beta1 + u_m |m'|
+            |v' - v0| <= u_v |v1| / beta2 + u_v |v'|
+
+        plus a few fp32 ulps of each term (and, below a dtype's normal range, half its subnormal
+        spacing per rounding: 2**-25 for fp16), where ``p1, m1, v1`` are the stored values after the
+        step, ``decay = 1 - lr * wd`` (1 in L2 mode) and, in L2 mode, the moments' bound gains the
+        param's error times ``wd``. The first term of each is the rounding the step's storage
+        already lost, which no inverse can recover; when it is below half a storage ulp of the old
+        value, the old value comes back exactly.
         """
         cfg = self._config(optimizer_id)
         tensors = dict(params=params, grads=grads, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
         for name, t in tensors.items():
             _check(name, t, None if name == "params" else params)
-            if t.dtype != torch.float32:
-                raise TypeError(f"mps_fused_adam.deepspeed: adam_rollback supports float32 tensors only "
-                                f"(as DeepSpeed's does); {name} is {t.dtype}")
+        if exp_avg.dtype != exp_avg_sq.dtype or exp_avg.dtype not in (torch.float32, params.dtype):
+            raise TypeError(f"mps_fused_adam.deepspeed: adam_rollback: exp_avg is {exp_avg.dtype} and exp_avg_sq "
+                            f"{exp_avg_sq.dtype} with params {params.dtype}; states must share one dtype, "
+                            f"float32 or the param's")
         step = int(step)
         if step < 1:
             raise ValueError(f"mps_fused_adam.deepspeed: adam_rollback needs the step to undo (>= 1), got {step}")
@@ -236,36 +256,48 @@ class CPUAdamOp:
         k = kernel_scalars(AdamHyper(lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(epsilon),
                                      weight_decay=float(weight_decay), step=step, adam_w_mode=cfg["adamw_mode"],
                                      bias_correction=bool(bias_correction)))
-
-        def f32(x: float) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.float32)
-
-        def div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-            # A true per-element division: torch may turn division by a 0-d tensor into a
-            # multiplication by its reciprocal, which rounds differently from the C++ loop.
-            return a / b.expand_as(a).contiguous()
-
         with torch.no_grad():
             p = params.detach()
-            m, v = exp_avg, exp_avg_sq
-            g = grads.detach()
-            # torch's fp32 sqrt on CPU is not always correctly rounded (Sleef, measured with torch
-            # 2.13); C++'s std::sqrt is. sqrt in double, rounded once to fp32, is exact.
-            denom = torch.sqrt(div(v, f32(k.bc2)).double()).float() + f32(k.eps)
-            update = div(f32(k.lr) * div(m, f32(k.bc1)), denom)
-            if k.adam_w_mode:
-                new_p = div(p + update, f32(1.0) - f32(k.lr) * f32(k.weight_decay))
-            else:
-                new_p = p + update
-                g = g + f32(k.weight_decay) * new_p  # the L2 step fed g + wd * p_previous into the moments
-            new_p = torch.where(torch.isfinite(new_p), new_p, torch.zeros_like(new_p))
-            new_m = div(m - f32(k.one_minus_beta1) * g, f32(k.beta1))
-            new_v = div(v - f32(k.one_minus_beta2) * g * g, f32(k.beta2))
+            # The step read the grad rounded to the param dtype (see _update); so must its inverse.
+            g = grads.detach().to(p.dtype)
+            low_precision = any(t.dtype != torch.float32 for t in (p, exp_avg, exp_avg_sq))
+            # Upcast (exact), the fp32 inverse, round to storage: all results exist before any
+            # tensor is written, so nothing is half-updated if anything above raised.
+            new_p, new_m, new_v = _rollback_fp32(p.float(), g.float(), exp_avg.float(), exp_avg_sq.float(), k)
+            if low_precision:
+                new_v = new_v.clamp_min(0.0)
             p.copy_(new_p)
-            m.copy_(new_m)
-            v.copy_(new_v)
+            exp_avg.copy_(new_m)
+            exp_avg_sq.copy_(new_v)
         _count("adam_rollback", "torch")
         return 0
+
+
+def _rollback_fp32(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k) -> Tuple[torch.Tensor, ...]:
+    """The fp32 inverse of one step (see ``CPUAdamOp.adam_rollback``): new (param, exp_avg,
+    exp_avg_sq) from fp32 tensors and the step's ``contract.KernelScalars``; inputs unchanged."""
+
+    def f32(x: float) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.float32)
+
+    def div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        # A true per-element division: torch may turn division by a 0-d tensor into a
+        # multiplication by its reciprocal, which rounds differently from the C++ loop.
+        return a / b.expand_as(a).contiguous()
+
+    # torch's fp32 sqrt on CPU is not always correctly rounded (Sleef, measured with torch
+    # 2.13); C++'s std::sqrt is. sqrt in double, rounded once to fp32, is exact.
+    denom = torch.sqrt(div(v, f32(k.bc2)).double()).float() + f32(k.eps)
+    update = div(f32(k.lr) * div(m, f32(k.bc1)), denom)
+    if k.adam_w_mode:
+        new_p = div(p + update, f32(1.0) - f32(k.lr) * f32(k.weight_decay))
+    else:
+        new_p = p + update
+        g = g + f32(k.weight_decay) * new_p  # the L2 step fed g + wd * p_previous into the moments
+    new_p = torch.where(torch.isfinite(new_p), new_p, torch.zeros_like(new_p))
+    new_m = div(m - f32(k.one_minus_beta1) * g, f32(k.beta1))
+    new_v = div(v - f32(k.one_minus_beta2) * g * g, f32(k.beta2))
+    return new_p, new_m, new_v
 
 
 FUSED_ADAM_OP = FusedAdamOp()
