@@ -127,6 +127,8 @@ def install(block_jit: bool = True, use_mps: bool | None = None) -> Dict[str, An
         patch_accelerator(accel, redirect)
         rebound = rebind_names(accel)
         refresh_compatibility(accel)
+        from .zenflow import patch_optimizer_process
+        patch_optimizer_process(block_jit)  # ZenFlow's spawned optimizer process runs install() too
         _state["report"] = report = {
             "deepspeed": deepspeed.__version__,
             "accelerator": accel._name,

@@ -155,6 +155,8 @@ class CPUAdamOp:
     def __init__(self) -> None:
         self._optimizers: Dict[int, dict] = {}
         self._lock = threading.Lock()
+        self._zenflow: Dict[int, object] = {}
+        self._next_zenflow = 0
 
     def create_adam(self, optimizer_id: int, alpha: float = 1e-3, betta1: float = 0.9, betta2: float = 0.999,
                     eps: float = 1e-8, weight_decay: float = 0.0, adamw_mode: bool = True,
@@ -272,6 +274,76 @@ class CPUAdamOp:
         _count("adam_rollback", "torch")
         return 0
 
+
+    # --- ZenFlow's native cross-process API (DeepSpeed 0.19.8; see .zenflow) -------------------
+
+    def zenflow_adam_create(self, optimizer_id: int, zf_affinity: Sequence[int]) -> int:
+        """A ZenFlow optimizer on ``create_adam`` id ``optimizer_id`` whose pool is pinned to the
+        cores ``zf_affinity`` (Linux); returns its handle."""
+        from .zenflow import ZenFlowAdam
+        zf = ZenFlowAdam(self, optimizer_id, zf_affinity)
+        with self._lock:
+            handle = self._next_zenflow
+            self._next_zenflow += 1
+            self._zenflow[handle] = zf
+        return handle
+
+    def _zenflow_handle(self, handle: int):
+        with self._lock:
+            zf = self._zenflow.get(int(handle))
+        if zf is None:
+            raise KeyError(f"mps_fused_adam.deepspeed: no ZenFlow optimizer with handle {handle}; "
+                           f"zenflow_adam_create returns the handles")
+        return zf
+
+    def zenflow_adam_register_group(self, handle: int, param: torch.Tensor, grad0: torch.Tensor, grad1: torch.Tensor,
+                                    exp_avg0: torch.Tensor, exp_avg1: torch.Tensor, exp_avg_sq0: torch.Tensor,
+                                    exp_avg_sq1: torch.Tensor, stale: torch.Tensor | None) -> None:
+        """Add one param group: the param, its two gradient buffers and two state pairs (``now_state``
+        of a submitted step picks one of each), and ``stale``, which receives the updated param."""
+        self._zenflow_handle(handle).register_group(param, grad0, grad1, exp_avg0, exp_avg1, exp_avg_sq0,
+                                                    exp_avg_sq1, stale)
+
+    def zenflow_adam_destroy(self, handle: int) -> None:
+        """Forget a ZenFlow optimizer (unknown handles are ignored, as in DeepSpeed)."""
+        with self._lock:
+            self._zenflow.pop(int(handle), None)
+
+    def zenflow_adam_run_worker(self, handle: int, control_ptr: int) -> None:
+        """Optimizer process: run submitted steps until ``zenflow_adam_ctrl_exit`` (Linux only)."""
+        self._zenflow_handle(handle).run_worker(control_ptr)
+
+    @staticmethod
+    def zenflow_adam_ctrl_size() -> int:
+        """Bytes of the shared control block (Linux only)."""
+        from . import zenflow
+        return zenflow.ctrl_size()
+
+    @staticmethod
+    def zenflow_adam_ctrl_init(control_ptr: int, num_groups: int) -> None:
+        """Set up the control block at ``control_ptr`` for ``num_groups`` groups (at most 1024; Linux only)."""
+        from . import zenflow
+        zenflow.ctrl_init(control_ptr, num_groups)
+
+    @staticmethod
+    def zenflow_adam_submit(control_ptr: int, now_state: int, step: int, lr: Sequence[float], beta1: Sequence[float],
+                            beta2: Sequence[float], eps: Sequence[float], weight_decay: Sequence[float],
+                            bias_correction: Sequence[int]) -> None:
+        """Hand step ``step`` (per-group hyperparameters, buffer ``now_state``) to the optimizer process."""
+        from . import zenflow
+        zenflow.submit(control_ptr, now_state, step, lr, beta1, beta2, eps, weight_decay, bias_correction)
+
+    @staticmethod
+    def zenflow_adam_wait(control_ptr: int, timeout_s: float) -> bool:
+        """Consume one completion, waiting up to ``timeout_s`` seconds; ``False`` on time-out."""
+        from . import zenflow
+        return zenflow.wait(control_ptr, timeout_s)
+
+    @staticmethod
+    def zenflow_adam_ctrl_exit(control_ptr: int) -> None:
+        """Make the optimizer process's ``zenflow_adam_run_worker`` return."""
+        from . import zenflow
+        zenflow.ctrl_exit(control_ptr)
 
 def _rollback_fp32(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k) -> Tuple[torch.Tensor, ...]:
     """The fp32 inverse of one step (see ``CPUAdamOp.adam_rollback``): new (param, exp_avg,
