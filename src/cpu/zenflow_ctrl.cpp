@@ -19,7 +19,7 @@ namespace {
 
 // DeepSpeed's ZenControl with its fields in the same order, except that the hyperparameters are
 // doubles (DeepSpeed stores floats): the optimizer process then derives the kernel's fp32 scalars
-// from exactly the values adam_update would receive (contract.kernel_scalars rounds once, from
+// from exactly the values adam_update would receive (contract.adam_scalars rounds once, from
 // double), so a ZenFlow step equals an adam_update bit for bit. Only this library reads the block,
 // in both processes, so its layout is private to it.
 struct Control {

@@ -13,7 +13,7 @@ buffer. This module is that API with DeepSpeed's signatures and semantics:
   optimizer process), ``done`` counts, so a completion nobody waited for is consumed by the next
   wait;
 * each step runs through the same path as ``adam_update`` (``ops._update``: the contract's scalars
-  from ``contract.kernel_scalars``, the CPU backend), so a ZenFlow step equals an ``adam_update``
+  from ``contract.adam_scalars``, the CPU backend), so a ZenFlow step equals an ``adam_update``
   with the same arguments bit for bit; the pool's threads are pinned one per core of the affinity
   list for the duration of ``run_worker`` (Linux; macOS cannot pin threads);
 * the optimizer process is spawned, so it never ran ``install()``; :func:`patch_optimizer_process`
