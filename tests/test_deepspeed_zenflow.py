@@ -223,7 +223,7 @@ PIN_SCRIPT = textwrap.dedent("""
     ts = [torch.randn(n) for _ in range(4)]
     ts[3] = (ts[3] * ts[2]).abs()  # torch's own threads start here, before the snapshot
     before = allowed()
-    get_backend("cpu").update([ts[0]], [ts[1]], [ts[2]], [ts[3]], AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 1))
+    get_backend("cpu").update("adam", [ts[0]], [ts[1]], [[ts[2]], [ts[3]]], AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 1))
     cores = sorted(os.sched_getaffinity(0))
     pool_tids = sorted(set(allowed()) - set(before))
     ok = _cpu.pin_pool([cores[0], cores[-1]], True)
