@@ -60,6 +60,7 @@ bool ThreadPool::apply_pin(std::thread::native_handle_type thread, int index) {
 #else
   (void)thread;
   (void)index;
+  (void)pin_one_per_thread_;
   return false;  // macOS has no thread-to-core pinning (affinity tags are hints, unsupported on arm64)
 #endif
 }
