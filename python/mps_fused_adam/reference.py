@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .contract import AdamHyper, kernel_scalars
+from .contract import AdagradHyper, AdamHyper, LionHyper, adagrad_scalars, kernel_scalars, lion_scalars
 
 
 def reference_adam_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
@@ -42,3 +42,50 @@ def reference_adam_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
         param.copy_(p)
         exp_avg.copy_(m)
         exp_avg_sq.copy_(v)
+
+
+def _full(like: torch.Tensor, x: float) -> torch.Tensor:
+    # A full fp32 tensor, not a 0-dim one: see reference_adam_.
+    return torch.full(like.shape, x, dtype=torch.float32, device=like.device)
+
+
+def lion_sign(c: torch.Tensor) -> torch.Tensor:
+    """The contract's sign: 1, -1, +0 for both zeros, NaN for NaN (torch.sign gives 0 for NaN)."""
+    one = torch.ones_like(c)
+    return torch.where(c > 0, one, torch.where(c < 0, -one, c - c))
+
+
+def reference_lion_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, hp: LionHyper) -> None:
+    """Apply one Lion step (contract.py) in place, math in fp32, results rounded to each tensor's dtype."""
+    s = lion_scalars(hp)
+    p = param.detach().float()
+    g = grad.detach().float()
+    m = exp_avg.float()
+    if s.maximize:
+        g = -g
+    c = _full(p, s.beta1) * m + _full(p, s.one_minus_beta1) * g
+    p = p * _full(p, s.decay)
+    p = p - _full(p, s.lr) * lion_sign(c)
+    m = _full(p, s.beta2) * m + _full(p, s.one_minus_beta2) * g
+    with torch.no_grad():
+        param.copy_(p)
+        exp_avg.copy_(m)
+
+
+def reference_adagrad_(param: torch.Tensor, grad: torch.Tensor, state_sum: torch.Tensor, hp: AdagradHyper) -> None:
+    """Apply one Adagrad step (contract.py) in place, math in fp32, results rounded to each tensor's dtype."""
+    s = adagrad_scalars(hp)
+    p = param.detach().float()
+    g = grad.detach().float()
+    acc = state_sum.float()
+    if s.maximize:
+        g = -g
+    if s.l2:
+        g = g + _full(p, s.weight_decay) * p
+    acc = acc + g * g
+    # sqrt through float64 is correctly rounded (see reference_adam_).
+    denom = torch.sqrt(acc.double()).float() + _full(p, s.eps)
+    p = p - _full(p, s.clr) * (g / denom)
+    with torch.no_grad():
+        param.copy_(p)
+        state_sum.copy_(acc)
