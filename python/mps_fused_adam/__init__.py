@@ -1,7 +1,7 @@
-"""Prebuilt fused Adam for PyTorch and DeepSpeed: a Metal kernel for Apple Silicon (MPS) and a
-SIMD C++ CPU Adam, with no compiler or JIT build on the user's machine."""
+"""Prebuilt fused Adam (and Lion and Adagrad) for PyTorch and DeepSpeed: a Metal kernel for Apple
+Silicon (MPS) and a SIMD C++ CPU kernel, with no compiler or JIT build on the user's machine."""
 from ._version import __version__
 from .backends import backend_info
-from .optim import Adam, AdamW, CPUAdam, FusedAdam
+from .optim import Adagrad, Adam, AdamW, CPUAdam, FusedAdam, FusedLion, Lion
 
-__all__ = ["Adam", "AdamW", "CPUAdam", "FusedAdam", "backend_info", "__version__"]
+__all__ = ["Adagrad", "Adam", "AdamW", "CPUAdam", "FusedAdam", "FusedLion", "Lion", "backend_info", "__version__"]
