@@ -15,9 +15,8 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from . import validate
-from ._pending import update_rule_staged  # TODO(merge issue-10a): the backends' rule API
 from .backends import SUPPORTED_DTYPES, get_backend, update_staged
-from .contract import AdagradHyper, AdamHyper, LionHyper
+from .contract import RULES, AdagradHyper, AdamHyper, LionHyper
 
 _Params = Iterable[Any]
 
@@ -35,13 +34,18 @@ _CPU = torch.device("cpu")
 
 
 class _FusedOptimizer(torch.optim.Optimizer):
-    """Shared machinery for every rule. A subclass sets ``_rule``, ``_state_names`` and
-    implements ``_check_group`` and ``_hyper`` (and ``_new_state`` when a state does not start at 0)."""
+    """Shared machinery for every rule. A subclass sets ``_rule`` and implements ``_check_group``
+    and ``_hyper`` (and ``_new_state`` when a state does not start at 0); the state names are the
+    rule's (``contract.RULES``)."""
 
+    # The update rule (contract.RULES) every step of this class runs.
+    _rule = "adam"
     # A subclass restricted to one device type (CPUAdam) sets this.
     _device_type: Optional[str] = None
-    _rule = "adam"
-    _state_names: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+
+    @property
+    def _state_names(self) -> tuple[str, ...]:
+        return RULES[self._rule].states
 
     def __init__(self, params: _Params, defaults: dict[str, Any]) -> None:
         self._check_group(defaults, "")
@@ -149,11 +153,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 for st in bucket[-1]:
                     st["step"] = step
                 hp = self._hyper(group, step)
-                if self._rule == "adam":
-                    update_staged(get_backend(device), bucket[0], bucket[1], bucket[2], bucket[3], hp)
-                else:
-                    update_rule_staged(get_backend(device), self._rule, bucket[0], bucket[1],
-                                       list(bucket[2:-1]), hp)
+                update_staged(get_backend(device), self._rule, bucket[0], bucket[1], list(bucket[2:-1]), hp)
         return loss
 
     def _plan_group(self, gi: int, group: dict[str, Any]) -> tuple[dict[str, Any], list, dict]:
@@ -333,7 +333,6 @@ class Lion(_FusedOptimizer):
     """
 
     _rule = "lion"
-    _state_names = ("exp_avg",)
 
     def __init__(self, params: _Params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0, use_triton: bool = False, decoupled_weight_decay: bool = False) -> None:
@@ -384,7 +383,6 @@ class Adagrad(_FusedOptimizer):
     """
 
     _rule = "adagrad"
-    _state_names = ("sum",)
 
     def __init__(self, params: _Params, lr: float | torch.Tensor = 1e-2, lr_decay: float = 0,
                  weight_decay: float = 0, initial_accumulator_value: float = 0, eps: float = 1e-10,

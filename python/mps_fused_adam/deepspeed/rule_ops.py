@@ -30,8 +30,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from .._pending import update_rule_staged  # TODO(merge issue-10a): the backends' rule API
-from ..backends import get_backend
+from ..backends import get_backend, update_staged
 from ..contract import AdagradHyper, LionHyper
 from .ops import _check, _count
 
@@ -68,7 +67,7 @@ def _update(op: str, rule: str, params: Sequence[torch.Tensor], grads: Sequence[
                 lists[2 + k].append(lst[i])
         for (device, _, _), lists in groups.items():
             backend = get_backend(device)
-            update_rule_staged(backend, rule, lists[0], lists[1], lists[2:], hp)
+            update_staged(backend, rule, lists[0], lists[1], lists[2:], hp)
             _count(op, backend.name)
 
 

@@ -1,0 +1,161 @@
+"""Lion and Adagrad on the CPU kernel (every SIMD path) and the foreach tier, against the reference.
+
+Both follow the contracts of contract.py operation for operation, so every result must equal the
+reference bit for bit, in every (param, state) dtype pair, for NaN, infinities, signed zeros and
+denormals too. (The Metal kernels of the same rules: tests/test_metal_emulator.py.)
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mps_fused_adam import _cpu
+from mps_fused_adam.backends import CPUBackend, ForeachBackend
+from mps_fused_adam.contract import RULES, AdagradHyper, LionHyper
+from mps_fused_adam.reference import reference_step_
+
+from conftest import DTYPE_PAIRS, pair_id
+
+RULE_NAMES = ["lion", "adagrad"]
+SPECIALS = [float("nan"), float("inf"), -float("inf"), 1e-40, -1e-40, 0.0, -0.0, 6e-8, 65504.0, 1e30]
+
+
+def hyper(rule: str, step: int, maximize: bool = False, weight_decay: float = 0.1):
+    if rule == "lion":
+        return LionHyper(lr=1e-2, beta1=0.9, beta2=0.99, weight_decay=weight_decay, maximize=maximize)
+    return AdagradHyper(lr=1e-2, eps=1e-10, weight_decay=weight_decay, step=step, lr_decay=0.01, maximize=maximize)
+
+
+def make(rule: str, n: int, pdtype, sdtype, seed: int = 0, specials: bool = False):
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.randn(n, generator=gen).to(pdtype)
+    g = (0.5 * torch.randn(n, generator=gen)).to(pdtype)
+    s = (0.1 * torch.randn(n, generator=gen) if rule == "lion" else 0.01 * torch.rand(n, generator=gen)).to(sdtype)
+    if specials:
+        k = len(SPECIALS)
+        sp = torch.tensor(SPECIALS)
+        g[:k] = sp.to(pdtype)
+        p[k:2 * k] = sp.to(pdtype)
+        s[2 * k:3 * k] = sp.abs().to(sdtype) if rule == "adagrad" else sp.to(sdtype)
+        g[3 * k:4 * k] = 0.0  # Lion: c = beta1 * m exactly, and c = 0 where m = 0
+        s[3 * k:3 * k + 3] = 0.0
+    return p, g, s
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def assert_identical(ours, ref, what=""):
+    """Bit for bit, except that any NaN equals any NaN. The contract fixes where NaN appears, not
+    its sign or payload: IEEE 754 leaves open which operand's NaN an operation returns (x86 returns
+    the first, and a compiler may commute ``a + b``), and torch's own bf16 conversion writes 0xFFFF
+    in its vector loop and 0x7FC0 in its scalar tail."""
+    for name, a, b in zip(("param", "grad", "state"), ours, ref):
+        assert a.dtype == b.dtype
+        na, nb = torch.isnan(a), torch.isnan(b)
+        assert torch.equal(na, nb), f"{what}{name}: NaN in different places than the reference"
+        assert torch.equal(bits(a)[~na], bits(b)[~nb]), f"{what}{name} differs from the reference"
+
+
+def run(backend, rule, tensors, steps, **kw):
+    ours = [t.clone() for t in tensors]
+    ref = [t.clone() for t in tensors]
+    for step in range(1, steps + 1):
+        hp = hyper(rule, step, **kw)
+        backend.update(rule, [ours[0]], [ours[1]], [[ours[2]]], hp)
+        reference_step_(rule, ref[0], ref[1], [ref[2]], hp)
+    return ours, ref
+
+
+@pytest.fixture(params=_cpu.simd_paths())
+def simd(request):
+    before = _cpu.simd_path()
+    _cpu.set_simd_path(request.param)
+    yield request.param
+    _cpu.set_simd_path(before)
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+@pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=pair_id)
+@pytest.mark.parametrize("n,maximize,wd", [(1, False, 0.1), (7, True, 0.1), (4097, False, 0.0), (4097, True, 0.1),
+                                           ((1 << 20) + 3, False, 0.1)])
+def test_cpu_kernel_matches_reference(simd, rule, pair, n, maximize, wd):
+    tensors = make(rule, n, *pair, seed=n)
+    ours, ref = run(CPUBackend(), rule, tensors, steps=3, maximize=maximize, weight_decay=wd)
+    assert_identical(ours, ref, f"{simd} {rule}: ")
+    assert not torch.equal(ours[0], tensors[0]) and not torch.equal(ours[2], tensors[2])
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+@pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=pair_id)
+def test_special_values_on_every_simd_path(simd, rule, pair):
+    """NaN, infinities, signed zeros, denormals and a zero momentum (Lion's sign(0) = +0)."""
+    tensors = make(rule, 4096 + 13, *pair, seed=3, specials=True)
+    ours, ref = run(CPUBackend(), rule, tensors, steps=2)
+    assert_identical(ours, ref, f"{simd} {rule}: ")
+    assert torch.isnan(ours[0][:1].float()).all(), "a NaN gradient must reach the parameter"
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+@pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=pair_id)
+def test_simd_paths_agree_with_scalar(rule, pair):
+    tensors = make(rule, 4096 + 13, *pair, seed=4, specials=True)
+    results = {}
+    before = _cpu.simd_path()
+    try:
+        for path in _cpu.simd_paths():
+            _cpu.set_simd_path(path)
+            out = [t.clone() for t in tensors]
+            for step in (1, 2):
+                CPUBackend().update(rule, [out[0]], [out[1]], [[out[2]]], hyper(rule, step))
+            results[path] = out
+    finally:
+        _cpu.set_simd_path(before)
+    for path, out in results.items():
+        assert_identical(out, results["scalar"], f"{path} vs scalar: ")
+
+
+def test_lion_zero_momentum_leaves_param_bits():
+    """c = 0 exactly (zero momentum and gradient): the parameter keeps its bits, -0 included."""
+    p = torch.tensor([-0.0, 0.0, 1.5, -2.0] * 5)
+    g = torch.zeros(20)
+    m = torch.zeros(20)
+    before = p.clone()
+    CPUBackend().update("lion", [p], [g], [[m]], LionHyper(lr=0.1, beta1=0.9, beta2=0.99, weight_decay=0.0))
+    assert torch.equal(bits(p), bits(before))
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_many_tensors_one_call_two_threads(rule):
+    shapes = [int(s) for s in torch.randint(1, 3000, (500,))]
+    tensors = [make(rule, n, torch.bfloat16, torch.float32, seed=i) for i, n in enumerate(shapes)]
+    ours = [[t.clone() for t in ts] for ts in tensors]
+    hp = hyper(rule, 1)
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        CPUBackend().update(rule, [t[0] for t in ours], [t[1] for t in ours], [[t[2] for t in ours]], hp)
+    finally:
+        torch.set_num_threads(old)
+    for ts, out in zip(tensors, ours):
+        ref = [t.clone() for t in ts]
+        reference_step_(rule, ref[0], ref[1], [ref[2]], hp)
+        assert_identical(out, ref)
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+@pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=pair_id)
+def test_foreach_tier_matches_reference(rule, pair):
+    tensors = make(rule, 1000, *pair, seed=5, specials=True)
+    ours, ref = run(ForeachBackend(), rule, tensors, steps=3, maximize=True)
+    assert_identical(ours, ref, f"foreach {rule}: ")
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_cpu_rejects_wrong_state_count_and_struct(rule):
+    blob = RULES[rule].pack(hyper(rule, 1))
+    with pytest.raises(ValueError, match=f"rule '{rule}' has 1 states; got 2 state lists"):
+        _cpu.step(rule, [], [], [[], []], [], 0, 0, blob, 1)
+    with pytest.raises(ValueError, match=f"{len(blob)}-byte scalar struct; got {len(blob) - 4} bytes"):
+        _cpu.step(rule, [], [], [[]], [], 0, 0, blob[:-4], 1)
