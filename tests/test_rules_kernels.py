@@ -159,3 +159,105 @@ def test_cpu_rejects_wrong_state_count_and_struct(rule):
         _cpu.step(rule, [], [], [[], []], [], 0, 0, blob, 1)
     with pytest.raises(ValueError, match=f"{len(blob)}-byte scalar struct; got {len(blob) - 4} bytes"):
         _cpu.step(rule, [], [], [[]], [], 0, 0, blob[:-4], 1)
+
+
+# --- The Metal kernels (fused_lion_*, fused_adagrad_*), run by the host emulator and tiers 1-3 ---
+
+def run_emulated(emu, rule, tensors, steps, **dispatch_kw):
+    ours = [t.clone() for t in tensors]
+    ref = [t.clone() for t in tensors]
+    for step in range(1, steps + 1):
+        hp = hyper(rule, step, maximize=step == 2)
+        emu.run_tensors(ours[0], ours[1], ours[2], None, RULES[rule].pack(hp), rule=rule, **dispatch_kw)
+        reference_step_(rule, ref[0], ref[1], [ref[2]], hp)
+    return ours, ref
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+@pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=pair_id)
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 4097, 100_003])
+def test_metal_kernel_matches_reference(emu, rule, pair, n):
+    tensors = make(rule, n, *pair, seed=n, specials=n > 40)
+    ours, ref = run_emulated(emu, rule, tensors, steps=3)
+    assert_identical(ours, ref, f"fused_{rule} ")
+    assert not torch.equal(ours[2], tensors[2])
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+@pytest.mark.parametrize("group", [1, 7, 256])
+def test_metal_group_size_and_order_do_not_matter(emu, rule, group):
+    tensors = make(rule, 4099, torch.bfloat16, torch.float32, seed=2)
+    want, _ = run_emulated(emu, rule, tensors, steps=2)
+    got, _ = run_emulated(emu, rule, tensors, steps=2, group=group, reverse=True)
+    assert_identical(got, want)
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_metal_one_state_shape_indices_past_2_pow_32(emu, rule):
+    """The one-state kernel shape binds base and n at buffers 4 and 5; a dispatch whose base is past
+    2^32 must index with 64 bits (see test_metal_emulator.test_indices_past_2_pow_32)."""
+    from mps_fused_adam.mps_backends import KERNELS
+    base = (1 << 32) + (1 << 30)
+    count = 4099
+    tensors = make(rule, count, torch.float16, torch.float32, seed=9)
+    ours = [t.clone() for t in tensors]
+    hp = hyper(rule, 1)
+    addrs = tuple((t.data_ptr() - base * t.element_size()) % 2**64 for t in ours)
+    emu.dispatch(KERNELS[(rule, torch.float16, torch.float32)], addrs, RULES[rule].pack(hp), base, base + count,
+                 -(-count // 4), 256)
+    ref = [t.clone() for t in tensors]
+    reference_step_(rule, ref[0], ref[1], [ref[2]], hp)
+    assert_identical(ours, ref)
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+@pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=pair_id)
+def test_mps_tiers_1_to_3_match_reference(emu, pkg, rule, pair):
+    """The three MPS tiers' dispatch code (mps_backends.py), its Apple pieces replaced by stand-ins
+    that run the shipped kernels (tests/emulated_mps.py), on params at odd storage offsets."""
+    from emulated_mps import make_backend
+    flat = make(rule, 5000, *pair, seed=1)
+    sizes, off = (1, 5, 4097, 3), 1
+    views = []
+    for n in sizes:
+        views.append([t[off:off + n] for t in flat])
+        off += n + 1
+    want = [[t.clone() for t in v] for v in views]
+    for step in (1, 2):
+        for v in want:
+            reference_step_(rule, v[0], v[1], [v[2]], hyper(rule, step))
+    for tier in (1, 2, 3):
+        got = [[t.clone() for t in v] for v in views]
+        backend = make_backend(tier, pkg, emu)
+        for step in (1, 2):
+            backend.update(rule, [v[0] for v in got], [v[1] for v in got], [[v[2] for v in got]], hyper(rule, step))
+        for g, w in zip(got, want):
+            assert_identical(g, w, f"tier {tier} ({backend.name}) {rule}: ")
+
+
+@pytest.mark.parametrize("tier", [1, 2, 3])
+def test_optimizer_classes_through_metal_tiers(monkeypatch, emu, pkg, tier):
+    """Lion and Adagrad, optimizer to Metal dispatch, on mixed dtypes and groups."""
+    import mps_fused_adam as mfa
+    from emulated_mps import make_backend
+    from mps_fused_adam import backends
+    monkeypatch.setitem(backends._chosen, "cpu", make_backend(tier, pkg, emu))
+    for cls, kwargs, rule in ((mfa.Lion, dict(lr=1e-3, weight_decay=0.1), "lion"),
+                              (mfa.Adagrad, dict(lr=1e-2, lr_decay=0.01, weight_decay=0.1,
+                                                 initial_accumulator_value=0.1), "adagrad")):
+        gen = torch.Generator().manual_seed(3)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(d))
+                  for s, d in (((33, 7), torch.float32), ((4097,), torch.float16), ((5,), torch.bfloat16))]
+        init = 0.1 if rule == "adagrad" else 0.0
+        refs = [[p.detach().clone(), torch.full_like(p, init)] for p in params]
+        opt = cls(params, **kwargs)
+        for step in (1, 2, 3):
+            for p, r in zip(params, refs):
+                p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+                hp = (LionHyper(lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.1) if rule == "lion" else
+                      AdagradHyper(lr=1e-2, eps=1e-10, weight_decay=0.1, step=step, lr_decay=0.01))
+                reference_step_(rule, r[0], p.grad, [r[1]], hp)
+            opt.step()
+        for p, r in zip(params, refs):
+            assert torch.equal(bits(p.detach()), bits(r[0])), (rule, p.dtype)
+            assert torch.equal(opt.state[p][RULES[rule].states[0]], r[1])
