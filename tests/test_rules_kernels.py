@@ -261,3 +261,13 @@ def test_optimizer_classes_through_metal_tiers(monkeypatch, emu, pkg, tier):
         for p, r in zip(params, refs):
             assert torch.equal(bits(p.detach()), bits(r[0])), (rule, p.dtype)
             assert torch.equal(opt.state[p][RULES[rule].states[0]], r[1])
+
+
+def test_selfcheck_covers_every_rule():
+    """``python -m mps_fused_adam``'s self-check runs every rule of contract.RULES on a backend
+    (on a Mac: each Metal tier, against the contract's bound); on CPU all are bit for bit."""
+    from mps_fused_adam.selfcheck import check_backend
+    results = list(check_backend(CPUBackend(), "cpu", "_cpu", n=257))
+    assert len(results) == 5 * len(RULES)
+    assert {r.dtypes.split()[0] for r in results if " " in r.dtypes} == {"lion", "adagrad"}
+    assert all(r.passed and r.bit_exact for r in results), [r for r in results if not r.bit_exact]

@@ -37,7 +37,7 @@ def main() -> int:
     for r in all_checks():
         verdict = "ok" if r.passed else "FAIL"
         failed += not r.passed
-        print(f"  {verdict:4} {r.backend:18} {r.device:4} {r.dtypes:18} worst {r.worst_in_eps:.3g} eps"
+        print(f"  {verdict:4} {r.backend:18} {r.device:4} {r.dtypes:26} worst {r.worst_in_eps:.3g} eps"
               f"{'  (bit-exact)' if r.bit_exact else ''}")
     if failed:
         print(f"\n{failed} self-check(s) FAILED")
