@@ -22,7 +22,6 @@ from .bench import DTYPE_CASES, HEADER, Row, _params, _print_rows
 from .contract import RULES, AdagradHyper, LionHyper
 from .timing import bytes_per_elem, interleaved
 
-F32 = torch.float32
 HYPER = {"lion": LionHyper(lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.01),
          "adagrad": AdagradHyper(lr=1e-2, eps=1e-10, weight_decay=0.0, step=1)}
 
