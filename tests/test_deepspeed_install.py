@@ -201,5 +201,25 @@ def test_lion_adagrad_builders_and_lamb_out_of_scope(tmp_path):
         m(torch.ones(1, 3)).sum().backward()
         opt.step()
     print("CALLS", sorted(mfd.kernel_calls()))
+    # DeepSpeed's own optimizer classes on a non-contiguous (transposed) parameter: updated, and
+    # exactly as the reference says (DeepSpeed's C++ ops would update a contiguous copy and lose it).
+    from mps_fused_adam.contract import AdagradHyper, LionHyper
+    from mps_fused_adam.reference import reference_adagrad_, reference_lion_
+    for cls, ref_fn, hp, key in ((DeepSpeedCPULion, reference_lion_, LionHyper(1e-2, 0.9, 0.99, 0.0), "exp_avg"),
+                                 (DeepSpeedCPUAdagrad, reference_adagrad_, AdagradHyper(1e-2, 1e-10, 0.0, 1), "exp_avg_sq")):
+        start = torch.randn(6, 5).t()
+        param = torch.nn.Parameter(start.clone(memory_format=torch.preserve_format))
+        assert not param.is_contiguous()
+        kw = dict(lr=1e-2, betas=(0.9, 0.99)) if cls is DeepSpeedCPULion else dict(lr=1e-2, eps=1e-10)
+        opt = cls([param], **kw)
+        ref_p, ref_s = start.clone(), torch.zeros(5, 6)
+        for _ in range(3):
+            g = torch.randn(5, 6)
+            param.grad = g.clone()
+            opt.step()
+            ref_fn(ref_p, g, ref_s, hp)
+        assert torch.equal(param.detach(), ref_p) and torch.equal(opt.state[param][key], ref_s), cls
+    print("NONCONTIGUOUS OK")
     """, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(dsenv.free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     assert "CALLS ['adagrad_update:cpu', 'lion_update:cpu', 'multi_tensor_lion:cpu']" in out, out[-3000:]
+    assert "NONCONTIGUOUS OK" in out
