@@ -26,13 +26,17 @@ HYPER = {"lion": LionHyper(lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.01),
          "adagrad": AdagradHyper(lr=1e-2, eps=1e-10, weight_decay=0.0, step=1)}
 
 
-def _floor1(params, states, pdtype, sdtype) -> Callable[[], None]:
+def _floor1(params, pdtype, sdtype) -> Callable[[], None]:
+    """The memory floor on tensors of its own, the size and dtypes of the case's: its trivial math
+    (s = s + g, ...) would otherwise leave negative sums of squares, and so NaN, in the tensors the
+    real optimizers share (as bench._floor_fn does for Adam)."""
     from . import _cpu
-    ptrs = ([p.data_ptr() for p in params], [p.grad.data_ptr() for p in params], [[s.data_ptr() for s in states]],
-            [p.numel() for p in params])
+    own = [(p.detach().clone(), p.grad.clone(), torch.zeros_like(p, dtype=sdtype)) for p in params]
+    ptrs = ([t[0].data_ptr() for t in own], [t[1].data_ptr() for t in own], [[t[2].data_ptr() for t in own]],
+            [t[0].numel() for t in own])
     blob = RULES["lion"].pack(HYPER["lion"])  # floor1 takes Lion's struct and ignores it
-    return lambda: _cpu.step("floor1", *ptrs, _DTYPE_CODES[pdtype], _DTYPE_CODES[sdtype], blob,
-                             torch.get_num_threads())
+    return lambda: (own, _cpu.step("floor1", *ptrs, _DTYPE_CODES[pdtype], _DTYPE_CODES[sdtype], blob,
+                                   torch.get_num_threads()))[1]
 
 
 def _contenders(rule: str, params, pdtype, sdtype) -> dict[str, Callable[[], None]]:
@@ -46,7 +50,7 @@ def _contenders(rule: str, params, pdtype, sdtype) -> dict[str, Callable[[], Non
         states = [torch.zeros_like(p, dtype=sdtype) for p in params]
         backend, grads = get_backend("cpu"), [p.grad for p in params]
         found["ours"] = lambda: backend.update(rule, params, grads, [states], HYPER[rule])
-    found["floor"] = _floor1(params, states, pdtype, sdtype)
+    found["floor"] = _floor1(params, pdtype, sdtype)
     if sdtype == pdtype and rule == "adagrad":
         found["torch foreach"] = torch.optim.Adagrad(params, foreach=True).step
         try:

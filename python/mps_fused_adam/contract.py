@@ -90,9 +90,6 @@ class AdamScalars(NamedTuple):
     maximize: int
 
 
-# The name the rest of the package has used for Adam's scalars.
-KernelScalars = AdamScalars
-
 
 def adam_scalars(hp: AdamHyper) -> AdamScalars:
     """Adam's host scalars: computed in double once per call, each rounded once to fp32.
@@ -196,9 +193,6 @@ def adagrad_scalars(hp: AdagradHyper) -> AdagradScalars:
     clr = hp.lr / (1.0 + (hp.step - 1) * hp.lr_decay)
     return AdagradScalars(_f32(clr), _f32(hp.eps), _f32(hp.weight_decay), int(hp.weight_decay != 0),
                           int(bool(hp.maximize)))
-
-
-kernel_scalars = adam_scalars
 
 
 @dataclass(frozen=True)
