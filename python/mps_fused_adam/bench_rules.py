@@ -43,8 +43,7 @@ def _contenders(rule: str, params, pdtype, sdtype) -> dict[str, Callable[[], Non
     found: dict[str, Callable[[], None]] = {}
     if sdtype == pdtype:
         ours = Lion(params, lr=1e-4, weight_decay=0.01) if rule == "lion" else Adagrad(params)
-        ours.step()
-        states = [ours.state[p][RULES[rule].states[0]] for p in params]
+        ours.step()  # creates the state
         found["ours"] = ours.step
     else:
         states = [torch.zeros_like(p, dtype=sdtype) for p in params]
