@@ -222,3 +222,79 @@ def test_accelerator_methods_bound_at_import_are_rebound(tmp_path):
     print("OK")
     """)
     assert "DETECTED MPS_Accelerator" in out and "OK" in out
+
+
+def test_lion_adagrad_builders_and_lamb_out_of_scope(tmp_path):
+    """Lion and Adagrad builders load our facades on the CPU accelerator and on DeepSpeed's MPS
+    accelerator (which has no builder of its own for them); Lamb is refused with a clear reason,
+    also when a config asks for it."""
+    out = _run(tmp_path, COMMON + """
+    from mps_fused_adam.deepspeed.rule_ops import FUSED_LION_OP, CPU_LION_OP, CPU_ADAGRAD_OP
+    report = mfd.install()
+    assert {"FusedLionBuilder", "CPULionBuilder", "CPUAdagradBuilder"} <= set(report["ours"]), report
+    assert "FusedLambBuilder" in report["out_of_scope"]
+    import deepspeed, deepspeed.ops, torch
+    from deepspeed.ops.op_builder import FusedLionBuilder, CPULionBuilder, CPUAdagradBuilder
+    assert FusedLionBuilder().load() is FUSED_LION_OP
+    assert CPULionBuilder().load() is CPU_LION_OP and CPUAdagradBuilder().load() is CPU_ADAGRAD_OP
+    assert FusedLionBuilder.NAME == "fused_lion" and FusedLionBuilder().absolute_name() == "deepspeed.ops.lion.fused_lion_op"
+    assert CPUAdagradBuilder().absolute_name() == "deepspeed.ops.adagrad.cpu_adagrad_op"
+    table = deepspeed.ops.__compatible_ops__
+    assert table["cpu_lion"] is True and table["cpu_adagrad"] is True, table
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+    from deepspeed.accelerator.mps_accelerator import MPS_Accelerator
+    cpu_acc = get_accelerator()
+    mps = MPS_Accelerator()
+    set_accelerator(mps)
+    for name, op in (("FusedLionBuilder", FUSED_LION_OP), ("CPULionBuilder", CPU_LION_OP),
+                     ("CPUAdagradBuilder", CPU_ADAGRAD_OP)):
+        assert mps.create_op_builder(name).load() is op, name
+        assert mps.create_op_builder(name).NAME == name.replace("Builder", "").replace("CPU", "cpu_").replace(
+            "Fused", "fused_").lower(), mps.create_op_builder(name).NAME
+    set_accelerator(cpu_acc)
+    try:
+        get_accelerator().create_op_builder("FusedLambBuilder").load()
+    except RuntimeError as e:
+        assert "Lamb (FusedLamb) is out of scope" in str(e), e
+    else:
+        raise AssertionError("FusedLamb loaded")
+    model = torch.nn.Linear(4, 2)
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}
+    try:
+        deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    except RuntimeError as e:
+        text = repr(e) + repr(e.__cause__)
+        assert "out of scope" in text, text
+    else:
+        raise AssertionError("a Lamb config initialized")
+    from deepspeed.ops.lion import FusedLion, DeepSpeedCPULion
+    from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+    m = torch.nn.Linear(3, 2)
+    mfd.reset_kernel_calls()
+    for cls in (FusedLion, DeepSpeedCPULion, DeepSpeedCPUAdagrad):
+        opt = cls(m.parameters(), lr=0.1)
+        m(torch.ones(1, 3)).sum().backward()
+        opt.step()
+    print("CALLS", sorted(mfd.kernel_calls()))
+    # DeepSpeed's own optimizer classes on a non-contiguous (transposed) parameter: updated, and
+    # exactly as the reference says (DeepSpeed's C++ ops would update a contiguous copy and lose it).
+    from mps_fused_adam.contract import AdagradHyper, LionHyper
+    from mps_fused_adam.reference import reference_adagrad_, reference_lion_
+    for cls, ref_fn, hp, key in ((DeepSpeedCPULion, reference_lion_, LionHyper(1e-2, 0.9, 0.99, 0.0), "exp_avg"),
+                                 (DeepSpeedCPUAdagrad, reference_adagrad_, AdagradHyper(1e-2, 1e-10, 0.0, 1), "exp_avg_sq")):
+        start = torch.randn(6, 5).t()
+        param = torch.nn.Parameter(start.clone(memory_format=torch.preserve_format))
+        assert not param.is_contiguous()
+        kw = dict(lr=1e-2, betas=(0.9, 0.99)) if cls is DeepSpeedCPULion else dict(lr=1e-2, eps=1e-10)
+        opt = cls([param], **kw)
+        ref_p, ref_s = start.clone(), torch.zeros(5, 6)
+        for _ in range(3):
+            g = torch.randn(5, 6)
+            param.grad = g.clone()
+            opt.step()
+            ref_fn(ref_p, g, ref_s, hp)
+        assert torch.equal(param.detach(), ref_p) and torch.equal(opt.state[param][key], ref_s), cls
+    print("NONCONTIGUOUS OK")
+    """, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(dsenv.free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    assert "CALLS ['adagrad_update:cpu', 'lion_update:cpu', 'multi_tensor_lion:cpu']" in out, out[-3000:]
+    assert "NONCONTIGUOUS OK" in out

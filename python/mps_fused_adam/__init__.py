@@ -1,5 +1,5 @@
-"""Prebuilt fused Adam for PyTorch and DeepSpeed: a Metal kernel for Apple Silicon (MPS) and a
-SIMD C++ CPU Adam, with no compiler or JIT build on the user's machine."""
+"""Prebuilt fused Adam (and Lion and Adagrad) for PyTorch and DeepSpeed: a Metal kernel for Apple
+Silicon (MPS) and a SIMD C++ CPU kernel, with no compiler or JIT build on the user's machine."""
 from __future__ import annotations
 
 import importlib
@@ -9,7 +9,8 @@ from ._version import __version__
 
 # The submodule of each public name, imported on first use (PEP 562): `python -m mps_fused_adam
 # --help` runs this file first and must answer without importing torch (a second or more).
-_PUBLIC = {"Adam": "optim", "AdamW": "optim", "CPUAdam": "optim", "FusedAdam": "optim", "backend_info": "backends"}
+_PUBLIC = {"Adagrad": "optim", "Adam": "optim", "AdamW": "optim", "CPUAdam": "optim", "FusedAdam": "optim",
+           "FusedLion": "optim", "Lion": "optim", "backend_info": "backends"}
 
 __all__ = [*_PUBLIC, "__version__"]
 

@@ -78,7 +78,7 @@ def self_check(echo: bool) -> list[dict[str, Any]]:
         results.append({"backend": r.backend, "device": r.device, "dtypes": r.dtypes,
                         "worst_in_eps": r.worst_in_eps, "bit_exact": r.bit_exact, "passed": r.passed})
         if echo:
-            print(f"  {'ok' if r.passed else 'FAIL':4} {r.backend:18} {r.device:4} {r.dtypes:18} "
+            print(f"  {'ok' if r.passed else 'FAIL':4} {r.backend:18} {r.device:4} {r.dtypes:26} "
                   f"worst {r.worst_in_eps:.3g} eps{'  (bit-exact)' if r.bit_exact else ''}", flush=True)
     return results
 

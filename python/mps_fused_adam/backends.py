@@ -17,7 +17,8 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from .contract import AdamHyper, adam_scalars, rule as rule_spec
+from .contract import AdagradHyper, AdamHyper, LionHyper, adagrad_scalars, adam_scalars, lion_scalars
+from .contract import rule as rule_spec
 
 TensorList = Sequence[torch.Tensor]
 
@@ -55,6 +56,50 @@ def _foreach_adam(params: TensorList, grads: TensorList, states: Sequence[Tensor
         torch._foreach_copy_(list(exp_avg_sqs), v)
 
 
+def _sign(c: torch.Tensor) -> torch.Tensor:
+    """Lion's sign (contract.py): 1, -1, c - c (+0 for both zeros, NaN for NaN)."""
+    one = torch.ones_like(c)
+    return torch.where(c > 0, one, torch.where(c < 0, -one, c - c))
+
+
+def _foreach_lion(params: TensorList, grads: TensorList, states: Sequence[TensorList], hp: LionHyper) -> None:
+    """Lion (contract.py) in ``torch._foreach_*`` ops, each a separate fp32 op in the kernels' order."""
+    s = lion_scalars(hp)
+    (exp_avgs,) = states
+    p = [t.float() for t in params]
+    g = [t.float() for t in grads]
+    m = [t.float() for t in exp_avgs]
+    if s.maximize:
+        g = torch._foreach_neg(g)
+    c = torch._foreach_add(torch._foreach_mul(m, s.beta1), torch._foreach_mul(g, s.one_minus_beta1))
+    p = torch._foreach_mul(p, s.decay)
+    p = torch._foreach_sub(p, torch._foreach_mul([_sign(t) for t in c], s.lr))
+    m = torch._foreach_add(torch._foreach_mul(m, s.beta2), torch._foreach_mul(g, s.one_minus_beta2))
+    with torch.no_grad():
+        torch._foreach_copy_(list(params), p)
+        torch._foreach_copy_(list(exp_avgs), m)
+
+
+def _foreach_adagrad(params: TensorList, grads: TensorList, states: Sequence[TensorList], hp: AdagradHyper) -> None:
+    """Adagrad (contract.py) in ``torch._foreach_*`` ops, each a separate fp32 op in the kernels' order."""
+    s = adagrad_scalars(hp)
+    (sums,) = states
+    p = [t.float() for t in params]
+    g = [t.float() for t in grads]
+    acc = [t.float() for t in sums]
+    if s.maximize:
+        g = torch._foreach_neg(g)
+    if s.l2:
+        g = torch._foreach_add(g, torch._foreach_mul(p, s.weight_decay))
+    acc = torch._foreach_add(acc, torch._foreach_mul(g, g))
+    # float64 sqrt rounded once, and a true division by full tensors (see _foreach_adam).
+    denom = torch._foreach_add([t.double().sqrt_().float() for t in acc], s.eps)
+    p = torch._foreach_sub(p, torch._foreach_mul(torch._foreach_div(g, denom), s.clr))
+    with torch.no_grad():
+        torch._foreach_copy_(list(params), p)
+        torch._foreach_copy_(list(sums), acc)
+
+
 class ForeachBackend:
     """Tier 4: ``torch._foreach_*`` ops in fp32 math, rounded back to the storage dtype.
 
@@ -63,7 +108,7 @@ class ForeachBackend:
     """
 
     name = "foreach"
-    RULES: dict[str, Callable[..., None]] = {"adam": _foreach_adam}
+    RULES: dict[str, Callable[..., None]] = {"adam": _foreach_adam, "lion": _foreach_lion, "adagrad": _foreach_adagrad}
 
     def update(self, rule: str, params, grads, states, hp) -> None:
         fn = self.RULES.get(rule)

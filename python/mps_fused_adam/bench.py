@@ -53,22 +53,24 @@ def _params(count: int, size: int, dtype: torch.dtype) -> list[torch.nn.Paramete
     return params
 
 
-def _floor_fn(opt: torch.optim.Optimizer, params, pdtype, sdtype) -> Callable[[], None]:
+def _floor_fn(params, pdtype: torch.dtype, sdtype: torch.dtype) -> Callable[[], None]:
+    """The memory floor on tensors of its own, the size and dtypes of the case's: its trivial math
+    (v = v + g, ...) would otherwise leave negative second moments, and so NaN, in the tensors the
+    real optimizers share."""
     from . import _cpu
-    states = [opt.state[p] for p in params]
-    ptrs = ([p.data_ptr() for p in params], [p.grad.data_ptr() for p in params],
-            [[s["exp_avg"].data_ptr() for s in states], [s["exp_avg_sq"].data_ptr() for s in states]],
-            [p.numel() for p in params])
+    own = [(p.detach().clone(), p.grad.clone(), torch.zeros_like(p, dtype=sdtype), torch.zeros_like(p, dtype=sdtype))
+           for p in params]
+    ptrs = ([t[0].data_ptr() for t in own], [t[1].data_ptr() for t in own],
+            [[t[2].data_ptr() for t in own], [t[3].data_ptr() for t in own]], [t[0].numel() for t in own])
     codes = (_DTYPE_CODES[pdtype], _DTYPE_CODES[sdtype])
     # The floor takes Adam's scalar struct (and ignores it), so its call is Adam's call.
     blob = RULES["adam"].pack(AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 1))
-    return lambda: _cpu.step("floor", *ptrs, *codes, blob, torch.get_num_threads())
+    return lambda: (own, _cpu.step("floor", *ptrs, *codes, blob, torch.get_num_threads()))[1]
 
 
 def _contenders(params, pdtype, sdtype, deepspeed: bool, foreach: bool = True) -> dict[str, Callable[[], None]]:
     ours = CPUAdam(params, fp32_optimizer_states=True) if sdtype != pdtype else AdamW(params, weight_decay=0.01)
-    ours.step()  # creates the state the floor loop walks over
-    found: dict[str, Callable[[], None]] = {OURS: ours.step, FLOOR: _floor_fn(ours, params, pdtype, sdtype)}
+    found: dict[str, Callable[[], None]] = {OURS: ours.step, FLOOR: _floor_fn(params, pdtype, sdtype)}
     if sdtype == pdtype:  # torch keeps moments in the param dtype only
         found["torch fused"] = torch.optim.AdamW(params, weight_decay=0.01, fused=True).step
         if foreach:
@@ -236,7 +238,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows: list[Row] = []
     if not args.mps_only:
         info = backend_info()["cpu"]
-        print(f"CPU backend: {info['backend']} ({info.get('simd', '-')}), torch {torch.__version__}, {all_threads} CPUs")
+        from . import _cpu
+        print(f"CPU backend: {info['backend']} ({info.get('simd', '-')}, threads: {_cpu.thread_pool()}), "
+              f"torch {torch.__version__}, {all_threads} CPUs, load average {os.getloadavg()[0]:.1f}")
         print(SPREAD_NOTE)
         print(HEADER)
         print("|---|---|---|---|---|---|---|---|")
@@ -250,6 +254,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("\nPer case, ours against the fastest other implementation and the memory floor "
               "(speed ratios: >1 means ours is faster):")
         print("\n".join(summary(rows)))
+        print(f"load average at the end: {os.getloadavg()[0]:.1f}")
         t = first_step_seconds()
         print(f"\nimport to end of first step, 1M-parameter model: {t['total']:.2f} s (import torch "
               f"{t['import torch']:.2f} s, first forward/backward {t['first forward/backward']:.2f} s, "

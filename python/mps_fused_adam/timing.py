@@ -1,4 +1,4 @@
-"""What both benchmark sections share: interleaved timing and Adam's bytes per element."""
+"""What the benchmark sections share: interleaved timing and bytes per element."""
 from __future__ import annotations
 
 import statistics
@@ -8,10 +8,10 @@ from typing import Callable
 import torch
 
 
-def bytes_per_elem(pdtype: torch.dtype, sdtype: torch.dtype) -> int:
-    """Bytes one Adam step moves per element: param read+write and grad read in the param dtype,
-    exp_avg and exp_avg_sq read+write in the state dtype."""
-    return 3 * pdtype.itemsize + 4 * sdtype.itemsize
+def bytes_per_elem(pdtype: torch.dtype, sdtype: torch.dtype, states: int = 2) -> int:
+    """Bytes one step moves per element: param read+write and grad read in the param dtype, each
+    state read+write in the state dtype (Adam: 2 states; Lion, Adagrad: 1)."""
+    return 3 * pdtype.itemsize + 2 * states * sdtype.itemsize
 
 
 def interleaved_rounds(contenders: dict[str, Callable[[], None]], repeats: int,

@@ -1,7 +1,7 @@
 """Checks run on a whole step before any tensor is written, so a rejected step changes nothing."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -29,6 +29,40 @@ def check_hyperparameters(lr: Any, betas: Any, eps: Any, weight_decay: Any, wher
         raise ValueError(f"Invalid beta parameter at index 1: {float(beta2)}{suffix}")
     if not 0.0 <= float(weight_decay):
         raise ValueError(f"Invalid weight_decay value: {float(weight_decay)}{suffix}")
+
+
+def _nonnegative(value: Any, what: str, suffix: str) -> None:
+    if not 0.0 <= float(value):
+        raise ValueError(f"Invalid {what}: {float(value)}{suffix}")
+
+
+def check_lion_hyperparameters(lr: Any, betas: Any, weight_decay: Any, where: str = "") -> None:
+    """Lion's hyperparameters: lr and weight decay non-negative, both betas in [0, 1] (lion_pytorch's range)."""
+    suffix = f" (in {where})" if where else ""
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError(f"Tensor lr must be 1-element{suffix}")
+    _nonnegative(lr, "learning rate", suffix)
+    try:
+        beta1, beta2 = betas
+    except (TypeError, ValueError):
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}{suffix}") from None
+    for i, beta in enumerate((beta1, beta2)):
+        if not 0.0 <= float(beta) <= 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {float(beta)}{suffix}")
+    _nonnegative(weight_decay, "weight_decay value", suffix)
+
+
+def check_adagrad_hyperparameters(lr: Any, lr_decay: Any, weight_decay: Any, initial_accumulator_value: Any,
+                                  eps: Any, where: str = "") -> None:
+    """The checks of ``torch.optim.Adagrad``, with the same messages, plus the group they concern."""
+    suffix = f" (in {where})" if where else ""
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError(f"Tensor lr must be 1-element{suffix}")
+    _nonnegative(lr, "learning rate", suffix)
+    _nonnegative(lr_decay, "lr_decay value", suffix)
+    _nonnegative(weight_decay, "weight_decay value", suffix)
+    _nonnegative(initial_accumulator_value, "initial_accumulator_value value", suffix)
+    _nonnegative(eps, "epsilon value", suffix)
 
 
 def describe(p: torch.Tensor, name: str) -> str:
@@ -64,9 +98,10 @@ def check_param(p: torch.Tensor, g: torch.Tensor, name: str, device_type: str | 
     raise ValueError(f"{who}: grad shape {tuple(g.shape)} does not match; expected {tuple(p.shape)}")
 
 
-def check_state(p: torch.Tensor, state: Mapping[str, Any], name: str, state_dtype: torch.dtype) -> None:
-    """Existing optimizer state (perhaps loaded from a checkpoint) must fit its parameter."""
-    for key in ("exp_avg", "exp_avg_sq"):
+def check_state(p: torch.Tensor, state: Mapping[str, Any], name: str, state_dtype: torch.dtype,
+                keys: Sequence[str] = ("exp_avg", "exp_avg_sq")) -> None:
+    """Existing optimizer state ``keys`` (perhaps loaded from a checkpoint) must fit its parameter."""
+    for key in keys:
         t = state.get(key)
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{describe(p, name)}: optimizer state '{key}' is missing or not a tensor "

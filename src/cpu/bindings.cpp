@@ -14,6 +14,7 @@
 #include "step.h"
 #include "thread_pool.h"
 #include "zenflow_ctrl.h"
+#include "torch_openmp.h"
 
 namespace nb = nanobind;
 using namespace mfa;
@@ -151,4 +152,10 @@ NB_MODULE(_cpu, m) {
      "False where the platform cannot pin or a core was refused).");
   m.def("thread_cores", [] { return current_thread_cores(); }, "The cores the calling thread may run on (Linux).");
   register_zenflow(m);
+  m.def("thread_pool", [] {
+    std::string path = torch_openmp_path();
+    return torch_openmp_enabled() ? "torch's OpenMP (" + path + ")" : std::string("own");
+  }, "Whose threads run a step: torch's OpenMP runtime (borrowed, not linked) or our own pool.");
+  m.def("use_torch_openmp", [](bool on) { set_torch_openmp(on); },
+        "Run steps on torch's OpenMP threads where available (default), or on our own pool.");
 }

@@ -5,13 +5,17 @@
     engine, optimizer, _, _ = deepspeed.initialize(model=model, config=config)
 
 ``install()`` redirects DeepSpeed's ``FusedAdamBuilder`` and ``CPUAdamBuilder`` on the active
-accelerator (MPS, CPU, CUDA...) to the facades in :mod:`.ops`, so ``deepspeed.ops.adam.FusedAdam``
-and ``DeepSpeedCPUAdam`` (also when ``deepspeed.initialize`` builds them from a config's
-``"optimizer"`` section, and under ZeRO stages 0 to 3 with or without offload) run our kernels,
-and no op is JIT-compiled. With MPS present it selects DeepSpeed's MPS accelerator, extended by
-:mod:`.accelerator`, and applies :mod:`.runtime_fixes`. DeepSpeed's optimizer classes are
-untouched, so ZeRO's type checks pass. In a process started without a launcher it sets the
-single-process rendezvous variables (:data:`SINGLE_PROCESS_DEFAULTS`), so that
+accelerator (MPS, CPU, CUDA...) to the facades in :mod:`.ops`, and ``FusedLionBuilder``,
+``CPULionBuilder`` and ``CPUAdagradBuilder`` to those in :mod:`.rule_ops`, so
+``deepspeed.ops.adam.FusedAdam``, ``DeepSpeedCPUAdam``, ``deepspeed.ops.lion.FusedLion``,
+``DeepSpeedCPULion`` and ``deepspeed.ops.adagrad.DeepSpeedCPUAdagrad`` (also when
+``deepspeed.initialize`` builds them from a config's ``"optimizer"`` section: types Adam, AdamW,
+Lion, and Adagrad with CPU offload; under ZeRO stages 0 to 3 with or without offload) run our
+kernels, and no op is JIT-compiled. Lamb (``FusedLamb``, CUDA-only in DeepSpeed) is out of scope:
+loading its builder raises an error that says so. With MPS present it selects DeepSpeed's MPS
+accelerator, extended by :mod:`.accelerator`, and applies :mod:`.runtime_fixes`. DeepSpeed's
+optimizer classes are untouched, so ZeRO's type checks pass. In a process started without a
+launcher it sets the single-process rendezvous variables (:data:`SINGLE_PROCESS_DEFAULTS`), so that
 ``deepspeed.initialize`` does not fall into DeepSpeed's MPI discovery.
 
 Importing this package does not import DeepSpeed; ``install()`` does.
@@ -151,7 +155,8 @@ def install(block_jit: bool = True, use_mps: bool | None = None,
 
     Returns:
         what is active: DeepSpeed's version, the accelerator's name, which builder names now load
-        our kernels, the bound names that were rebound, and the environment variables set.
+        our kernels, the builders deliberately not provided and why (``out_of_scope``: Lamb), the
+        bound names that were rebound, and the environment variables set.
 
     Raises:
         ImportError: DeepSpeed is not installed. RuntimeError: it is older than ``MIN_DEEPSPEED``.
@@ -160,7 +165,7 @@ def install(block_jit: bool = True, use_mps: bool | None = None,
     env_set = _single_process_defaults() if single_process_defaults else {}
     from deepspeed.accelerator import get_accelerator
 
-    from .builders import OUR_OPS, Redirect, patch_accelerator, rebind_names, refresh_compatibility
+    from .builders import OUR_OPS, OUT_OF_SCOPE, Redirect, patch_accelerator, rebind_names, refresh_compatibility
 
     with _lock:
         redirect = _state.get("redirect")
@@ -187,6 +192,7 @@ def install(block_jit: bool = True, use_mps: bool | None = None,
             "deepspeed": deepspeed.__version__,
             "accelerator": accel._name,
             "ours": sorted(OUR_OPS),
+            "out_of_scope": dict(OUT_OF_SCOPE),
             "block_jit": block_jit,
             "rebound": sorted(set(previous.get("rebound", [])) | set(rebound)),
             "env_set": {**previous.get("env_set", {}), **env_set},
