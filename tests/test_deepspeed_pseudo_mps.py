@@ -37,7 +37,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "deepspeed_support"))
 import dsenv  # noqa: E402
-from test_deepspeed_zero import RUNNER, SINGLE, _check  # noqa: E402
+from test_deepspeed_zero import RUNNER, SINGLE as _ALL_SINGLE, _check  # noqa: E402
+
+# The AdamW configurations (Lion and Adagrad run the same engine paths through other facades).
+SINGLE = [s for s in _ALL_SINGLE if s.count(":") == 1]
 
 GRADS = ["grads-s2:fp32", "grads-s3:fp32"]
 GRAD_RTOL = 1e-6
