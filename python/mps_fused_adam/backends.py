@@ -11,11 +11,30 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
 from .contract import AdamHyper, kernel_scalars
+
+
+class Addressed(list):
+    """A list of tensors that also carries what a backend would otherwise read from each of them:
+    ``addresses`` (``data_ptr()``) and, where known, ``numels``. The optimizer's step plans hand
+    these over (step_plan.py), having read and checked the addresses this step."""
+
+    addresses: list[int]
+    numels: Optional[list[int]]
+
+
+def addresses(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """Every tensor's ``data_ptr()``, taken from an :class:`Addressed` list when it has them."""
+    return tensors.addresses if type(tensors) is Addressed else [t.data_ptr() for t in tensors]
+
+
+def numels(tensors: Sequence[torch.Tensor]) -> list[int]:
+    known = tensors.numels if type(tensors) is Addressed else None
+    return known if known is not None else [t.numel() for t in tensors]
 
 
 class Backend(Protocol):
@@ -78,9 +97,7 @@ class CPUBackend:
 
     def update(self, params, grads, exp_avgs, exp_avg_sqs, hp: AdamHyper) -> None:
         self._cpu.adam_step(
-            [t.data_ptr() for t in params], [t.data_ptr() for t in grads],
-            [t.data_ptr() for t in exp_avgs], [t.data_ptr() for t in exp_avg_sqs],
-            [t.numel() for t in params],
+            addresses(params), addresses(grads), addresses(exp_avgs), addresses(exp_avg_sqs), numels(params),
             _DTYPE_CODES[params[0].dtype], _DTYPE_CODES[exp_avgs[0].dtype],
             *kernel_scalars(hp), torch.get_num_threads(),
         )

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from . import validate
+from . import step_plan, validate
 from .backends import SUPPORTED_DTYPES, get_backend, update_staged
 from .contract import AdamHyper
 
@@ -104,42 +104,90 @@ class _AdamBase(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # One pass validates every tensor and sorts it into kernel calls; nothing is written
-        # (no state created, no step counted) until the whole step is known good.
-        plans = [self._plan_group(gi, group) for gi, group in enumerate(self.param_groups)]
-        for group, fresh, buckets in plans:
-            for p, pi, slots in fresh:
-                st = slots[pi] = self.state[p]
-                sd = self._state_dtype(p)
-                st["step"] = 0
-                st["exp_avg"] = torch.zeros_like(p, dtype=sd, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, dtype=sd, memory_format=torch.preserve_format)
-                key = (p.device, p.dtype, sd, 0)
-                bucket = buckets.get(key)
-                if bucket is None:
-                    bucket = buckets[key] = ([], [], [], [], [])
-                bucket[0].append(p)
-                bucket[1].append(p.grad)
-                bucket[2].append(st["exp_avg"])
-                bucket[3].append(st["exp_avg_sq"])
-                bucket[4].append(st)
-            beta1, beta2 = group["betas"]
-            for (device, _, _, last_step), (ps, gs, ms, vs, states) in buckets.items():
-                step = int(last_step) + 1
-                for st in states:
-                    st["step"] = step
-                hp = AdamHyper(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                               weight_decay=float(group["weight_decay"]), step=step,
-                               adam_w_mode=bool(group["adam_w_mode"]), bias_correction=bool(group["bias_correction"]),
-                               maximize=bool(group["maximize"]))
-                update_staged(get_backend(device), ps, gs, ms, vs, hp)
+        # Every group is validated and sorted into kernel calls before anything is written (no
+        # state created, no step counted) until the whole step is known good. A group whose cached
+        # plan still holds (step_plan.py) is checked in C++; any other takes the full path.
+        plans = self._step_plans()
+        work = []
+        for gi, group in enumerate(self.param_groups):
+            validate.check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"],
+                                           where=f"param_groups[{gi}]")
+            plan = plans.get(gi)
+            fast = step_plan.check(plan, group["params"]) if isinstance(plan, step_plan.Plan) else None
+            work.append((gi, group, plan, fast) if fast is not None else (gi, group, plan, self._plan_group(gi, group)))
+        replan = []
+        for gi, group, plan, planned in work:
+            if isinstance(planned, list):
+                self._step_planned(group, plan, planned)
+            else:
+                self._step_full(group, *planned[1:])
+                replan.append((gi, group, plan))
+        if replan:
+            self._replan(plans, replan)
         return loss
+
+    def _hyper(self, group: dict[str, Any], step: int) -> AdamHyper:
+        beta1, beta2 = group["betas"]
+        return AdamHyper(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                         weight_decay=float(group["weight_decay"]), step=step,
+                         adam_w_mode=bool(group["adam_w_mode"]), bias_correction=bool(group["bias_correction"]),
+                         maximize=bool(group["maximize"]))
+
+    def _step_planned(self, group: dict[str, Any], plan: step_plan.Plan, planned: list) -> None:
+        plan.uses += 1
+        for bucket, grads in planned:
+            step = bucket.step + 1
+            plan.native.set_steps(bucket.begin, bucket.end, step)
+            bucket.step = step
+            # The plan holds only contiguous tensors and checked that each grad is: no staging.
+            get_backend(bucket.device).update(bucket.params, grads, bucket.exp_avgs, bucket.exp_avg_sqs,
+                                              self._hyper(group, step))
+
+    def _step_full(self, group: dict[str, Any], fresh: list, buckets: dict) -> None:
+        for p, pi, slots in fresh:
+            st = slots[pi] = self.state[p]
+            sd = self._state_dtype(p)
+            st["step"] = 0
+            st["exp_avg"] = torch.zeros_like(p, dtype=sd, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, dtype=sd, memory_format=torch.preserve_format)
+            key = (p.device, p.dtype, sd, 0)
+            bucket = buckets.get(key)
+            if bucket is None:
+                bucket = buckets[key] = ([], [], [], [], [])
+            bucket[0].append(p)
+            bucket[1].append(p.grad)
+            bucket[2].append(st["exp_avg"])
+            bucket[3].append(st["exp_avg_sq"])
+            bucket[4].append(st)
+        for (device, _, _, last_step), (ps, gs, ms, vs, states) in buckets.items():
+            step = int(last_step) + 1
+            for st in states:
+                st["step"] = step
+            update_staged(get_backend(device), ps, gs, ms, vs, self._hyper(group, step))
+
+    def _step_plans(self) -> dict[int, Any]:
+        """The groups' cached plans, or none when the optimizer's state dict has changed since they
+        were made (or the state dtype policy has: CPUAdam's ``fp32_optimizer_states``)."""
+        plans = self.__dict__.setdefault("_plans", {})
+        snapshot = self.__dict__.get("_plans_snapshot")
+        if plans and (snapshot is None or self.__dict__.get("_plans_state_dtype") != self._fixed_state_dtype
+                      or not snapshot.unchanged(self.state)):
+            plans.clear()
+        return plans
+
+    def _replan(self, plans: dict[int, Any], groups: list) -> None:
+        """Plan the groups that just took the full path, for the next step."""
+        native = step_plan.native()
+        if native is None:
+            return
+        for gi, group, previous in groups:
+            plans[gi] = step_plan.replan(native, previous, group["params"], self.state)
+        self._plans_snapshot = native.DictSnapshot(self.state)
+        self._plans_state_dtype = self._fixed_state_dtype
 
     def _plan_group(self, gi: int, group: dict[str, Any]) -> tuple[dict[str, Any], list, dict]:
         """Validate one group; return it, its params that need new state, and its kernel calls
         keyed by (device, param dtype, state dtype, step count so far)."""
-        validate.check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"],
-                                       where=f"param_groups[{gi}]")
         params = group["params"]
         slots = self._slots(gi, params)
         supported, strided, only = SUPPORTED_DTYPES, torch.strided, self._device_type

@@ -1,0 +1,268 @@
+// The per-step checks of the optimizer's cached step plans (python/mps_fused_adam/step_plan.py).
+//
+// A plan remembers, for every parameter of a group, what its step looked like when the full
+// validation last passed: the param object and its dtype, shape, device and address; its state
+// dict, moment tensors and their addresses; its step count. Each later step only has to prove
+// that nothing of that changed and that the new grads fit. The checks read the tensors through
+// their ordinary Python attributes (grad, dtype, shape, layout, device, is_contiguous(),
+// data_ptr()), called from this loop instead of the interpreter's: the module still never touches
+// torch's C++ ABI, and a getter that raises only means "not the planned case" (the caller then
+// runs the full validation, which names the parameter and the problem).
+#include <Python.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace nb = nanobind;
+
+namespace {
+
+struct Names {
+  PyObject *grad, *dtype, *shape, *is_cpu, *is_mps, *device, *data_ptr, *is_contiguous, *numel, *exp_avg,
+      *exp_avg_sq, *step;
+};
+
+const Names& names() {
+  static const Names n = {
+      PyUnicode_InternFromString("grad"),          PyUnicode_InternFromString("dtype"),
+      PyUnicode_InternFromString("shape"),         PyUnicode_InternFromString("is_cpu"),
+      PyUnicode_InternFromString("is_mps"),        PyUnicode_InternFromString("device"),        PyUnicode_InternFromString("data_ptr"),
+      PyUnicode_InternFromString("is_contiguous"), PyUnicode_InternFromString("numel"),
+      PyUnicode_InternFromString("exp_avg"),       PyUnicode_InternFromString("exp_avg_sq"),
+      PyUnicode_InternFromString("step")};
+  return n;
+}
+
+// A strong reference that survives copies of the owning vectors.
+class Ref {
+ public:
+  Ref() = default;
+  explicit Ref(PyObject* o) : o_(o) { Py_XINCREF(o_); }
+  Ref(const Ref& r) : o_(r.o_) { Py_XINCREF(o_); }
+  Ref& operator=(Ref r) { std::swap(o_, r.o_); return *this; }
+  ~Ref() { Py_XDECREF(o_); }
+  PyObject* get() const { return o_; }
+
+ private:
+  PyObject* o_ = nullptr;
+};
+
+// Every helper returns false on a mismatch or on any Python error (which it clears).
+bool attr_is(PyObject* obj, PyObject* name, PyObject* expected) {
+  PyObject* r = PyObject_GetAttr(obj, name);
+  if (r == nullptr) { PyErr_Clear(); return false; }
+  bool same = r == expected;
+  Py_DECREF(r);
+  return same;
+}
+
+bool attr_true(PyObject* obj, PyObject* name) {
+  PyObject* r = PyObject_GetAttr(obj, name);
+  if (r == nullptr) { PyErr_Clear(); return false; }
+  bool yes = r == Py_True;
+  Py_DECREF(r);
+  return yes;
+}
+
+bool attr_eq(PyObject* obj, PyObject* name, PyObject* expected) {
+  PyObject* r = PyObject_GetAttr(obj, name);
+  if (r == nullptr) { PyErr_Clear(); return false; }
+  int eq = r == expected ? 1 : PyObject_RichCompareBool(r, expected, Py_EQ);
+  Py_DECREF(r);
+  if (eq < 0) { PyErr_Clear(); return false; }
+  return eq == 1;
+}
+
+bool call_true(PyObject* obj, PyObject* name) {
+  PyObject* r = PyObject_CallMethodNoArgs(obj, name);
+  if (r == nullptr) { PyErr_Clear(); return false; }
+  bool yes = r == Py_True;
+  Py_DECREF(r);
+  return yes;
+}
+
+bool call_u64(PyObject* obj, PyObject* name, uint64_t* out) {
+  PyObject* r = PyObject_CallMethodNoArgs(obj, name);
+  if (r == nullptr) { PyErr_Clear(); return false; }
+  if (!PyLong_Check(r)) { Py_DECREF(r); return false; }
+  unsigned long long v = PyLong_AsUnsignedLongLong(r);
+  Py_DECREF(r);
+  if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) { PyErr_Clear(); return false; }
+  *out = v;
+  return true;
+}
+
+uint64_t to_u64(nb::handle h) { return nb::cast<uint64_t>(h); }
+
+// One group's plan. Entries are in the order of the kernel calls they feed.
+class GroupPlan {
+ public:
+  // params: the group's param list. active: tuples (index, param, dtype, shape, device, param
+  // address, state dict, exp_avg, exp_avg_sq, exp_avg address, exp_avg_sq address, step).
+  // idle: indices of the params the step skipped: those without a grad, and (index, True) for
+  // empty params without state, which are skipped whatever their grad.
+  GroupPlan(nb::list params, nb::list active, nb::list idle) {
+    size_ = PyList_GET_SIZE(params.ptr());
+    for (nb::handle t : active) {
+      nb::tuple e = nb::borrow<nb::tuple>(t);
+      if (e.size() != 12) throw std::invalid_argument("GroupPlan: an active entry has 12 fields");
+      Entry x;
+      x.index = nb::cast<Py_ssize_t>(e[0]);
+      x.p = Ref(e[1].ptr()); x.dtype = Ref(e[2].ptr()); x.shape = Ref(e[3].ptr()); x.device = Ref(e[4].ptr());
+      x.pptr = to_u64(e[5]);
+      x.st = Ref(e[6].ptr()); x.m = Ref(e[7].ptr()); x.v = Ref(e[8].ptr());
+      x.mptr = to_u64(e[9]); x.vptr = to_u64(e[10]);
+      x.step = Ref(e[11].ptr());
+      // The device test: a bool property where there is one (no torch.device object to build).
+      std::string type = nb::cast<std::string>(nb::getattr(e[4], "type"));
+      x.on = type == "cpu" ? names().is_cpu : type == "mps" ? names().is_mps : nullptr;
+      if (x.index < 0 || x.index >= size_ || PyList_GET_ITEM(params.ptr(), x.index) != x.p.get())
+        throw std::invalid_argument("GroupPlan: an entry's index does not point at its param");
+      if (!PyDict_Check(x.st.get())) throw std::invalid_argument("GroupPlan: a state is not a dict");
+      entries_.push_back(std::move(x));
+    }
+    for (nb::handle t : idle) {
+      bool empty = nb::isinstance<nb::tuple>(t);
+      Py_ssize_t i = nb::cast<Py_ssize_t>(empty ? nb::borrow<nb::tuple>(t)[0] : t);
+      if (i < 0 || i >= size_) throw std::invalid_argument("GroupPlan: idle index out of range");
+      idle_.push_back(Idle{i, Ref(PyList_GET_ITEM(params.ptr(), i)), empty});
+    }
+  }
+
+  // True when the plan still describes `params` and every planned param has a grad that fits;
+  // then `grads` and `grad_addresses` hold those grads and their addresses, in entry order.
+  // Writes nothing else, so a false answer leaves everything as it was.
+  bool check(nb::list params, nb::list grads, nb::list grad_addresses) const {
+    const Names& n = names();
+    PyObject* plist = params.ptr();
+    if (PyList_GET_SIZE(plist) != size_) return false;
+    for (const Idle& x : idle_) {
+      PyObject* p = x.p.get();
+      if (PyList_GET_ITEM(plist, x.index) != p) return false;
+      if (x.empty) {  // skipped while it stays empty (and without state: the state snapshot says so)
+        uint64_t numel;
+        if (!call_u64(p, n.numel, &numel) || numel != 0) return false;
+        continue;
+      }
+      PyObject* g = PyObject_GetAttr(p, n.grad);
+      if (g == nullptr) { PyErr_Clear(); return false; }
+      bool none = g == Py_None;
+      Py_DECREF(g);
+      if (!none) return false;  // a grad appeared: a new kind of step, re-plan
+    }
+    for (const Entry& e : entries_) {
+      PyObject* p = e.p.get();
+      if (PyList_GET_ITEM(plist, e.index) != p) return false;
+      uint64_t addr;
+      // The param: nothing that validation looked at may have moved (.data assignment, resize).
+      if (!call_u64(p, n.data_ptr, &addr) || addr != e.pptr) return false;
+      if (!attr_is(p, n.dtype, e.dtype.get()) || !attr_eq(p, n.shape, e.shape.get()) ||
+          !call_true(p, n.is_contiguous))
+        return false;
+      // The grad: a new tensor every step, so every property the kernel relies on is read anew.
+      PyObject* g = PyObject_GetAttr(p, n.grad);
+      if (g == nullptr) { PyErr_Clear(); return false; }
+      // No layout test: data_ptr() raises for sparse and mkldnn tensors (and is_contiguous() is
+      // false for sparse COO ones).
+      bool ok = g != Py_None && attr_is(g, n.dtype, e.dtype.get()) &&
+                (e.on != nullptr ? attr_true(g, e.on) : attr_eq(g, n.device, e.device.get())) &&
+                attr_eq(g, n.shape, e.shape.get()) && call_true(g, n.is_contiguous) && call_u64(g, n.data_ptr, &addr);
+      if (ok) {
+        PyObject* a = PyLong_FromUnsignedLongLong(addr);
+        ok = a != nullptr && PyList_Append(grads.ptr(), g) == 0 && PyList_Append(grad_addresses.ptr(), a) == 0;
+        Py_XDECREF(a);
+        if (!ok) PyErr_Clear();
+      }
+      Py_DECREF(g);
+      if (!ok) return false;
+      // The state: the same dict entries, the same tensors at the same addresses, the planned step.
+      PyObject* st = e.st.get();
+      PyObject* m = PyDict_GetItemWithError(st, n.exp_avg);  // borrowed
+      PyObject* v = m == e.m.get() ? PyDict_GetItemWithError(st, n.exp_avg_sq) : nullptr;
+      PyObject* s = v == e.v.get() ? PyDict_GetItemWithError(st, n.step) : nullptr;
+      if (s == nullptr) { PyErr_Clear(); return false; }
+      int same_step = s == e.step.get() ? 1 : PyObject_RichCompareBool(s, e.step.get(), Py_EQ);
+      if (same_step != 1) { PyErr_Clear(); return false; }
+      if (!call_u64(m, n.data_ptr, &addr) || addr != e.mptr) return false;
+      if (!call_u64(v, n.data_ptr, &addr) || addr != e.vptr) return false;
+    }
+    return true;
+  }
+
+  // Entries [begin, end) took a step: record `step` in their state dicts and in the plan.
+  void set_steps(size_t begin, size_t end, nb::handle step) {
+    if (begin > end || end > entries_.size()) throw std::out_of_range("GroupPlan.set_steps: bad range");
+    const Names& n = names();
+    for (size_t i = begin; i < end; ++i) {
+      if (PyDict_SetItem(entries_[i].st.get(), n.step, step.ptr()) != 0) throw nb::python_error();
+      entries_[i].step = Ref(step.ptr());
+    }
+  }
+
+  size_t size() const { return entries_.size(); }
+
+ private:
+  struct Entry {
+    Py_ssize_t index = 0;
+    Ref p, dtype, shape, device, st, m, v, step;
+    PyObject* on = nullptr;  // an interned name from names(): is_cpu or is_mps, or null: compare devices
+    uint64_t pptr = 0, mptr = 0, vptr = 0;
+  };
+  Py_ssize_t size_ = 0;
+  std::vector<Entry> entries_;
+  struct Idle {
+    Py_ssize_t index;
+    Ref p;
+    bool empty;
+  };
+  std::vector<Idle> idle_;
+};
+
+// The optimizer's whole `state` dict as it was when the plans were made: its keys and values in
+// order. Comparing them walks the dict without hashing a tensor (torch's Tensor.__hash__ runs in
+// Python), and notices any param's state dict being replaced, added or removed.
+class DictSnapshot {
+ public:
+  explicit DictSnapshot(nb::dict d) : dict_(d.ptr()) {
+    PyObject *k, *v;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(d.ptr(), &pos, &k, &v)) items_.emplace_back(Ref(k), Ref(v));
+  }
+
+  bool unchanged(nb::handle d) const {
+    if (d.ptr() != dict_.get() || !PyDict_Check(d.ptr()) || PyDict_GET_SIZE(d.ptr()) != (Py_ssize_t)items_.size())
+      return false;
+    PyObject *k, *v;
+    Py_ssize_t pos = 0;
+    size_t i = 0;
+    while (PyDict_Next(d.ptr(), &pos, &k, &v)) {
+      if (i >= items_.size() || items_[i].first.get() != k || items_[i].second.get() != v) return false;
+      ++i;
+    }
+    return i == items_.size();
+  }
+
+ private:
+  Ref dict_;
+  std::vector<std::pair<Ref, Ref>> items_;
+};
+
+}  // namespace
+
+void register_step_plan(nb::module_& m) {
+  nb::class_<GroupPlan>(m, "GroupPlan", "One param group's cached step plan (see step_plan.py).")
+      .def(nb::init<nb::list, nb::list, nb::list>(), nb::arg("params"), nb::arg("active"), nb::arg("idle"))
+      .def("check", &GroupPlan::check, nb::arg("params"), nb::arg("grads"), nb::arg("grad_addresses"),
+           "True when nothing planned changed; fills grads and grad_addresses in entry order.")
+      .def("set_steps", &GroupPlan::set_steps, nb::arg("begin"), nb::arg("end"), nb::arg("step"),
+           "Write `step` into the state dicts of entries [begin, end).")
+      .def("__len__", &GroupPlan::size);
+  nb::class_<DictSnapshot>(m, "DictSnapshot", "A dict's keys and values by identity, in order.")
+      .def(nb::init<nb::dict>(), nb::arg("d"))
+      .def("unchanged", &DictSnapshot::unchanged, nb::arg("d"),
+           "True when `d` is the same dict holding the same keys and values (by identity), in order.");
+}
