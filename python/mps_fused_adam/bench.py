@@ -1,4 +1,4 @@
-"""Benchmark: ``python -m mps_fused_adam.bench [--quick] [--deepspeed] [--plot out.png]``.
+"""Benchmark: ``python -m mps_fused_adam.bench [--quick] [--deepspeed] [--plot out.png] [--overhead]``.
 
 CPU section: ours, ``torch.optim.AdamW(fused=True)``, ``torch.optim.AdamW(foreach=True)``,
 DeepSpeed's ``DeepSpeedCPUAdam`` (with ``--deepspeed``: its first use JIT-builds for minutes) and
@@ -156,7 +156,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--plot", metavar="PNG", help="write a bar chart")
     ap.add_argument("--mps-only", action="store_true", help="run only the MPS section")
     ap.add_argument("--no-mps", action="store_true", help="skip the MPS section")
+    ap.add_argument("--overhead", action="store_true", help="only the per-tensor cost of the step path (bench_overhead)")
     args = ap.parse_args(argv)
+    if args.overhead:
+        from .bench_overhead import overhead_section
+        overhead_section(**({"repeats": 21, "rounds": 3} if args.quick else {}))
+        return 0
     all_threads = os.cpu_count() or 1
     threads = args.threads or sorted({1, all_threads})
     rows: list[Row] = []

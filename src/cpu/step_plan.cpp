@@ -21,20 +21,71 @@ namespace nb = nanobind;
 
 namespace {
 
-struct Names {
-  PyObject *grad, *dtype, *shape, *is_cpu, *is_mps, *device, *data_ptr, *is_contiguous, *numel, *exp_avg,
-      *exp_avg_sq, *step;
+// One attribute (a property such as `dtype`, or a method without arguments such as `data_ptr`)
+// read the way the interpreter would, minus its lookup: per tensor type, the type's descriptor is
+// found once and its C function called directly. A type whose descriptor is of another kind (a
+// Python-level override) goes through the ordinary, generic call.
+class Accessor {
+ public:
+  Accessor(const char* name, bool method) : name_(PyUnicode_InternFromString(name)), method_(method) {}
+
+  PyObject* name() const { return name_; }
+
+  // A new reference, or null with a Python error set.
+  PyObject* operator()(PyObject* obj) {
+    PyTypeObject* tp = Py_TYPE(obj);
+    for (int i = 0; i < count_; ++i)
+      if (types_[i] == tp) return method_ ? meth_[i](obj, nullptr) : get_[i](obj, closure_[i]);
+    if (count_ < kTypes) learn(tp);
+    for (int i = 0; i < count_; ++i)
+      if (types_[i] == tp) return method_ ? meth_[i](obj, nullptr) : get_[i](obj, closure_[i]);
+    return method_ ? PyObject_CallMethodNoArgs(obj, name_) : PyObject_GetAttr(obj, name_);
+  }
+
+ private:
+  static constexpr int kTypes = 4;
+
+  void learn(PyTypeObject* tp) {
+    // A type's attribute lookup hands back the descriptor itself (public API, no private lookup).
+    PyObject* d = PyObject_GetAttr(reinterpret_cast<PyObject*>(tp), name_);
+    if (d == nullptr) { PyErr_Clear(); return; }
+    if (!method_ && Py_IS_TYPE(d, &PyGetSetDescr_Type)) {
+      PyGetSetDef* def = reinterpret_cast<PyGetSetDescrObject*>(d)->d_getset;
+      if (def->get != nullptr) { get_[count_] = def->get; closure_[count_] = def->closure; add(tp); }
+    } else if (method_ && Py_IS_TYPE(d, &PyMethodDescr_Type)) {
+      PyMethodDef* def = reinterpret_cast<PyMethodDescrObject*>(d)->d_method;
+      if ((def->ml_flags & ~METH_COEXIST) == METH_NOARGS) { meth_[count_] = def->ml_meth; add(tp); }
+    }
+    Py_DECREF(d);
+  }
+
+  void add(PyTypeObject* tp) {
+    Py_INCREF(tp);  // kept alive: its address must not come back as another type
+    types_[count_++] = tp;
+  }
+
+  PyObject* name_;
+  bool method_;
+  int count_ = 0;
+  PyTypeObject* types_[kTypes] = {};
+  getter get_[kTypes] = {};
+  void* closure_[kTypes] = {};
+  PyCFunction meth_[kTypes] = {};
 };
 
-const Names& names() {
-  static const Names n = {
-      PyUnicode_InternFromString("grad"),          PyUnicode_InternFromString("dtype"),
-      PyUnicode_InternFromString("shape"),         PyUnicode_InternFromString("is_cpu"),
-      PyUnicode_InternFromString("is_mps"),        PyUnicode_InternFromString("device"),        PyUnicode_InternFromString("data_ptr"),
-      PyUnicode_InternFromString("is_contiguous"), PyUnicode_InternFromString("numel"),
-      PyUnicode_InternFromString("exp_avg"),       PyUnicode_InternFromString("exp_avg_sq"),
-      PyUnicode_InternFromString("step")};
-  return n;
+struct Names {
+  Accessor grad{"grad", false}, dtype{"dtype", false}, shape{"shape", false}, is_cpu{"is_cpu", false},
+      is_mps{"is_mps", false}, device{"device", false}, data_ptr{"data_ptr", true},
+      is_contiguous{"is_contiguous", true}, numel{"numel", true};
+  PyObject* exp_avg = PyUnicode_InternFromString("exp_avg");
+  PyObject* exp_avg_sq = PyUnicode_InternFromString("exp_avg_sq");
+  PyObject* step = PyUnicode_InternFromString("step");
+};
+
+// Used with the GIL held only, like everything here.
+Names& names() {
+  static Names* n = new Names();  // never destroyed: it holds Python objects past interpreter exit
+  return *n;
 }
 
 // A strong reference that survives copies of the owning vectors.
@@ -52,24 +103,16 @@ class Ref {
 };
 
 // Every helper returns false on a mismatch or on any Python error (which it clears).
-bool attr_is(PyObject* obj, PyObject* name, PyObject* expected) {
-  PyObject* r = PyObject_GetAttr(obj, name);
+bool attr_is(PyObject* obj, Accessor& a, PyObject* expected) {
+  PyObject* r = a(obj);
   if (r == nullptr) { PyErr_Clear(); return false; }
   bool same = r == expected;
   Py_DECREF(r);
   return same;
 }
 
-bool attr_true(PyObject* obj, PyObject* name) {
-  PyObject* r = PyObject_GetAttr(obj, name);
-  if (r == nullptr) { PyErr_Clear(); return false; }
-  bool yes = r == Py_True;
-  Py_DECREF(r);
-  return yes;
-}
-
-bool attr_eq(PyObject* obj, PyObject* name, PyObject* expected) {
-  PyObject* r = PyObject_GetAttr(obj, name);
+bool attr_eq(PyObject* obj, Accessor& a, PyObject* expected) {
+  PyObject* r = a(obj);
   if (r == nullptr) { PyErr_Clear(); return false; }
   int eq = r == expected ? 1 : PyObject_RichCompareBool(r, expected, Py_EQ);
   Py_DECREF(r);
@@ -77,16 +120,8 @@ bool attr_eq(PyObject* obj, PyObject* name, PyObject* expected) {
   return eq == 1;
 }
 
-bool call_true(PyObject* obj, PyObject* name) {
-  PyObject* r = PyObject_CallMethodNoArgs(obj, name);
-  if (r == nullptr) { PyErr_Clear(); return false; }
-  bool yes = r == Py_True;
-  Py_DECREF(r);
-  return yes;
-}
-
-bool call_u64(PyObject* obj, PyObject* name, uint64_t* out) {
-  PyObject* r = PyObject_CallMethodNoArgs(obj, name);
+bool attr_u64(PyObject* obj, Accessor& a, uint64_t* out) {
+  PyObject* r = a(obj);
   if (r == nullptr) { PyErr_Clear(); return false; }
   if (!PyLong_Check(r)) { Py_DECREF(r); return false; }
   unsigned long long v = PyLong_AsUnsignedLongLong(r);
@@ -119,7 +154,7 @@ class GroupPlan {
       x.step = Ref(e[11].ptr());
       // The device test: a bool property where there is one (no torch.device object to build).
       std::string type = nb::cast<std::string>(nb::getattr(e[4], "type"));
-      x.on = type == "cpu" ? names().is_cpu : type == "mps" ? names().is_mps : nullptr;
+      x.on = type == "cpu" ? &names().is_cpu : type == "mps" ? &names().is_mps : nullptr;
       if (x.index < 0 || x.index >= size_ || PyList_GET_ITEM(params.ptr(), x.index) != x.p.get())
         throw std::invalid_argument("GroupPlan: an entry's index does not point at its param");
       if (!PyDict_Check(x.st.get())) throw std::invalid_argument("GroupPlan: a state is not a dict");
@@ -137,7 +172,7 @@ class GroupPlan {
   // then `grads` and `grad_addresses` hold those grads and their addresses, in entry order.
   // Writes nothing else, so a false answer leaves everything as it was.
   bool check(nb::list params, nb::list grads, nb::list grad_addresses) const {
-    const Names& n = names();
+    Names& n = names();
     PyObject* plist = params.ptr();
     if (PyList_GET_SIZE(plist) != size_) return false;
     for (const Idle& x : idle_) {
@@ -145,10 +180,10 @@ class GroupPlan {
       if (PyList_GET_ITEM(plist, x.index) != p) return false;
       if (x.empty) {  // skipped while it stays empty (and without state: the state snapshot says so)
         uint64_t numel;
-        if (!call_u64(p, n.numel, &numel) || numel != 0) return false;
+        if (!attr_u64(p, n.numel, &numel) || numel != 0) return false;
         continue;
       }
-      PyObject* g = PyObject_GetAttr(p, n.grad);
+      PyObject* g = n.grad(p);
       if (g == nullptr) { PyErr_Clear(); return false; }
       bool none = g == Py_None;
       Py_DECREF(g);
@@ -159,18 +194,18 @@ class GroupPlan {
       if (PyList_GET_ITEM(plist, e.index) != p) return false;
       uint64_t addr;
       // The param: nothing that validation looked at may have moved (.data assignment, resize).
-      if (!call_u64(p, n.data_ptr, &addr) || addr != e.pptr) return false;
+      if (!attr_u64(p, n.data_ptr, &addr) || addr != e.pptr) return false;
       if (!attr_is(p, n.dtype, e.dtype.get()) || !attr_eq(p, n.shape, e.shape.get()) ||
-          !call_true(p, n.is_contiguous))
+          !attr_is(p, n.is_contiguous, Py_True))
         return false;
       // The grad: a new tensor every step, so every property the kernel relies on is read anew.
-      PyObject* g = PyObject_GetAttr(p, n.grad);
+      PyObject* g = n.grad(p);
       if (g == nullptr) { PyErr_Clear(); return false; }
       // No layout test: data_ptr() raises for sparse and mkldnn tensors (and is_contiguous() is
       // false for sparse COO ones).
       bool ok = g != Py_None && attr_is(g, n.dtype, e.dtype.get()) &&
-                (e.on != nullptr ? attr_true(g, e.on) : attr_eq(g, n.device, e.device.get())) &&
-                attr_eq(g, n.shape, e.shape.get()) && call_true(g, n.is_contiguous) && call_u64(g, n.data_ptr, &addr);
+                (e.on != nullptr ? attr_is(g, *e.on, Py_True) : attr_eq(g, n.device, e.device.get())) &&
+                attr_eq(g, n.shape, e.shape.get()) && attr_is(g, n.is_contiguous, Py_True) && attr_u64(g, n.data_ptr, &addr);
       if (ok) {
         PyObject* a = PyLong_FromUnsignedLongLong(addr);
         ok = a != nullptr && PyList_Append(grads.ptr(), g) == 0 && PyList_Append(grad_addresses.ptr(), a) == 0;
@@ -187,8 +222,8 @@ class GroupPlan {
       if (s == nullptr) { PyErr_Clear(); return false; }
       int same_step = s == e.step.get() ? 1 : PyObject_RichCompareBool(s, e.step.get(), Py_EQ);
       if (same_step != 1) { PyErr_Clear(); return false; }
-      if (!call_u64(m, n.data_ptr, &addr) || addr != e.mptr) return false;
-      if (!call_u64(v, n.data_ptr, &addr) || addr != e.vptr) return false;
+      if (!attr_u64(m, n.data_ptr, &addr) || addr != e.mptr) return false;
+      if (!attr_u64(v, n.data_ptr, &addr) || addr != e.vptr) return false;
     }
     return true;
   }
@@ -196,7 +231,7 @@ class GroupPlan {
   // Entries [begin, end) took a step: record `step` in their state dicts and in the plan.
   void set_steps(size_t begin, size_t end, nb::handle step) {
     if (begin > end || end > entries_.size()) throw std::out_of_range("GroupPlan.set_steps: bad range");
-    const Names& n = names();
+    Names& n = names();
     for (size_t i = begin; i < end; ++i) {
       if (PyDict_SetItem(entries_[i].st.get(), n.step, step.ptr()) != 0) throw nb::python_error();
       entries_[i].step = Ref(step.ptr());
@@ -209,7 +244,7 @@ class GroupPlan {
   struct Entry {
     Py_ssize_t index = 0;
     Ref p, dtype, shape, device, st, m, v, step;
-    PyObject* on = nullptr;  // an interned name from names(): is_cpu or is_mps, or null: compare devices
+    Accessor* on = nullptr;  // is_cpu or is_mps, or null: compare devices
     uint64_t pptr = 0, mptr = 0, vptr = 0;
   };
   Py_ssize_t size_ = 0;

@@ -1,0 +1,140 @@
+"""Per-tensor cost of the step path (``python -m mps_fused_adam.bench --overhead``).
+
+A group of many tiny tensors whose grads are new tensors every step (``zero_grad(set_to_none=True)``,
+torch's default), stepped three ways, interleaved, median kept:
+
+- ``step``: the optimizer with its real backend;
+- ``step, no-op backend``: the same step with a backend that does nothing, so what is left is the
+  Python step path (validation, bucketing, gathering addresses);
+- ``kernel alone``: the ``_cpu`` kernel called on addresses gathered beforehand.
+
+Reported per tensor: ``step - kernel alone`` and ``step, no-op backend``. The MPS tiers run the same
+path: tier 1 (``_metal``) is measured with a stand-in extension that does nothing, on CPU tensors
+(on an MPS tensor the same code reads the buffer handle where it reads a host address here), and
+tiers 2-3 (torch's ShaderLibrary, one Python-level dispatch per tensor) with stand-in kernels that
+do nothing. New grads are made outside the timed region.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+
+from . import AdamW, CPUAdam, backends
+from .contract import kernel_scalars, AdamHyper
+from .mps_backends import MetalExtBackend, ShaderLibraryBackend, KERNELS
+
+
+class _NoopBackend:
+    name = "no-op"
+
+    def update(self, *args: Any) -> None:
+        pass
+
+
+class _NoopMetalExt:
+    """The ``_metal`` extension's call surface, doing nothing."""
+
+    def load(self, path: str) -> None:
+        pass
+
+    def adam_step(self, *args: Any) -> None:
+        pass
+
+
+class _NoopLibrary:
+    """A ShaderLibrary whose kernels do nothing."""
+
+    def __dir__(self) -> list[str]:
+        return list(KERNELS.values())
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        if name not in KERNELS.values():
+            raise AttributeError(name)
+        return lambda *args, **kwargs: None
+
+
+@contextlib.contextmanager
+def _backend_for_cpu(backend: Any) -> Iterator[None]:
+    """Route CPU tensors to ``backend`` for the duration (the choice is per device type)."""
+    saved = backends._chosen.get("cpu")
+    backends._chosen["cpu"] = backend
+    try:
+        yield
+    finally:
+        if saved is None:
+            backends._chosen.pop("cpu", None)
+        else:
+            backends._chosen["cpu"] = saved
+
+
+def _metal_ext_backend() -> MetalExtBackend:
+    backend = MetalExtBackend.__new__(MetalExtBackend)  # skips loading a metallib the stand-in ignores
+    backend._ext = _NoopMetalExt()
+    from .mps_backends import mps_buffer
+    backend._buffer_of = mps_buffer
+    return backend
+
+
+def _median_step(opt: torch.optim.Optimizer, params: list, size: int, dtype: torch.dtype, repeats: int,
+                 backend: Any = None) -> float:
+    ctx = _backend_for_cpu(backend) if backend is not None else contextlib.nullcontext()
+    times = []
+    with ctx:
+        for _ in range(repeats):
+            opt.zero_grad(set_to_none=True)
+            for p in params:
+                p.grad = torch.full((size,), 1e-3, dtype=dtype)
+            t0 = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _kernel_alone(opt: torch.optim.Optimizer, params: list, repeats: int) -> float:
+    from . import _cpu
+    states = [opt.state[p] for p in params]
+    pd, sd = params[0].dtype, states[0]["exp_avg"].dtype
+    args = ([p.data_ptr() for p in params], [p.grad.data_ptr() for p in params],
+            [s["exp_avg"].data_ptr() for s in states], [s["exp_avg_sq"].data_ptr() for s in states],
+            [p.numel() for p in params], backends._DTYPE_CODES[pd], backends._DTYPE_CODES[sd],
+            *kernel_scalars(AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 10)), torch.get_num_threads())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        _cpu.adam_step(*args)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def overhead_section(count: int = 1000, size: int = 16, repeats: int = 101, rounds: int = 5) -> list[dict]:
+    """Print and return microseconds per tensor of each optimizer/tier's step path."""
+    rows = []
+    cases = [("AdamW fp32", AdamW, torch.float32, {}),
+             ("CPUAdam bf16, fp32 states", CPUAdam, torch.bfloat16, {})]
+    print(f"Per-tensor cost of the step path: {count} tensors of {size} elements, grads new every step "
+          f"(median of {rounds} rounds of {repeats} steps)")
+    print("| optimizer | tier | step - kernel, us/tensor | step with no-op backend, us/tensor |")
+    print("|---|---|---|---|")
+    for label, cls, dtype, kw in cases:
+        params = [torch.nn.Parameter(torch.randn(size).to(dtype)) for _ in range(count)]
+        opt = cls(params, **kw)
+        tiers: list[tuple[str, Any]] = [("cpu", None), ("metal (stand-in _metal)", _metal_ext_backend()),
+                                        ("load_metallib (stand-in kernels)",
+                                         ShaderLibraryBackend("load_metallib", _NoopLibrary()))]
+        for tier, backend in tiers:
+            per_round = []
+            for _ in range(rounds):
+                # Interleaved: the real step, the kernel alone, the no-op step, in turn.
+                step = _median_step(opt, params, size, dtype, repeats, backend)
+                kernel = _kernel_alone(opt, params, repeats) if backend is None else 0.0
+                noop = _median_step(opt, params, size, dtype, repeats, _NoopBackend()) if backend is None else step
+                per_round.append(((step - kernel) / count * 1e6, noop / count * 1e6))
+            a = statistics.median(r[0] for r in per_round)
+            b = statistics.median(r[1] for r in per_round)
+            rows.append(dict(optimizer=label, tier=tier, step_minus_kernel_us=a, noop_step_us=b))
+            print(f"| {label} | {tier} | {a:.2f} | {b:.2f} |", flush=True)
+    return rows
