@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from . import AdamW, CPUAdam, backends
-from .contract import kernel_scalars, AdamHyper
+from .contract import RULES, AdamHyper
 from .mps_backends import MetalExtBackend, ShaderLibraryBackend, KERNELS
 
 
@@ -38,10 +38,10 @@ class _NoopBackend:
 class _NoopMetalExt:
     """The ``_metal`` extension's call surface, doing nothing."""
 
-    def load(self, path: str) -> None:
+    def load(self, *args: Any) -> None:
         pass
 
-    def adam_step(self, *args: Any) -> None:
+    def step(self, *args: Any) -> None:
         pass
 
 
@@ -98,14 +98,15 @@ def _kernel_alone(opt: torch.optim.Optimizer, params: list, repeats: int) -> flo
     from . import _cpu
     states = [opt.state[p] for p in params]
     pd, sd = params[0].dtype, states[0]["exp_avg"].dtype
-    args = ([p.data_ptr() for p in params], [p.grad.data_ptr() for p in params],
-            [s["exp_avg"].data_ptr() for s in states], [s["exp_avg_sq"].data_ptr() for s in states],
+    rule = RULES["adam"]
+    args = ("adam", [p.data_ptr() for p in params], [p.grad.data_ptr() for p in params],
+            [[s[name].data_ptr() for s in states] for name in rule.states],
             [p.numel() for p in params], backends._DTYPE_CODES[pd], backends._DTYPE_CODES[sd],
-            *kernel_scalars(AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 10)), torch.get_num_threads())
+            rule.pack(AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 10)), torch.get_num_threads())
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        _cpu.adam_step(*args)
+        _cpu.step(*args)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 

@@ -13,7 +13,7 @@ import torch
 
 from . import step_plan, validate
 from .backends import SUPPORTED_DTYPES, get_backend, update_staged
-from .contract import AdamHyper
+from .contract import RULES, AdamHyper
 
 _Params = Iterable[Any]
 
@@ -33,6 +33,8 @@ _CPU = torch.device("cpu")
 class _AdamBase(torch.optim.Optimizer):
     """Shared machinery. Group keys: lr, betas, eps, weight_decay, adam_w_mode, bias_correction, maximize."""
 
+    # The update rule (contract.RULES) every step of this class runs.
+    _rule = "adam"
     # A subclass restricted to one device type (CPUAdam) sets this.
     _device_type: Optional[str] = None
 
@@ -140,7 +142,7 @@ class _AdamBase(torch.optim.Optimizer):
             plan.native.set_steps(bucket.begin, bucket.end, step)
             bucket.step = step
             # The plan holds only contiguous tensors and checked that each grad is: no staging.
-            get_backend(bucket.device).update(bucket.params, grads, bucket.exp_avgs, bucket.exp_avg_sqs,
+            get_backend(bucket.device).update(self._rule, bucket.params, grads, bucket.states,
                                               self._hyper(group, step))
 
     def _step_full(self, group: dict[str, Any], fresh: list, buckets: dict) -> None:
@@ -163,7 +165,7 @@ class _AdamBase(torch.optim.Optimizer):
             step = int(last_step) + 1
             for st in states:
                 st["step"] = step
-            update_staged(get_backend(device), ps, gs, ms, vs, self._hyper(group, step))
+            update_staged(get_backend(device), self._rule, ps, gs, [ms, vs], self._hyper(group, step))
 
     def _step_plans(self) -> dict[int, Any]:
         """The groups' cached plans, or none when the optimizer's state dict has changed since they
@@ -181,7 +183,7 @@ class _AdamBase(torch.optim.Optimizer):
         if native is None:
             return
         for gi, group, previous in groups:
-            plans[gi] = step_plan.replan(native, previous, group["params"], self.state)
+            plans[gi] = step_plan.replan(native, previous, group["params"], self.state, RULES[self._rule].states)
         self._plans_snapshot = native.DictSnapshot(self.state)
         self._plans_state_dtype = self._fixed_state_dtype
 

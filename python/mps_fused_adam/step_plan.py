@@ -14,8 +14,8 @@ proves, in one C++ loop over the tensors' ordinary Python attributes, that
   assignment, resizing, a dtype or device change);
 - each grad is a dense, contiguous tensor of the param's dtype, shape and device (its address is
   gathered for the kernel on the way);
-- each state dict still holds the planned ``exp_avg``/``exp_avg_sq`` objects, at the planned
-  addresses, and the planned step count;
+- each state dict still holds the planned state tensors (Adam: ``exp_avg``, ``exp_avg_sq``), at
+  the planned addresses, and the planned step count;
 
 and, once per step, that the optimizer's ``state`` dict is the same object with the same keys and
 per-param dicts (``_cpu.DictSnapshot``: this notices ``load_state_dict`` and a replaced or removed
@@ -49,8 +49,7 @@ class Bucket:
     end: int
     step: int  # the step count the entries have now; the next update takes step + 1
     params: Addressed = field(repr=False)
-    exp_avgs: Addressed = field(repr=False)
-    exp_avg_sqs: Addressed = field(repr=False)
+    states: list[Addressed] = field(repr=False)  # one list per state of the rule
 
 
 @dataclass
@@ -85,7 +84,7 @@ def native() -> Any:
     return _cpu
 
 
-def replan(native_module: Any, previous: Any, params: list, state: Any) -> Any:
+def replan(native_module: Any, previous: Any, params: list, state: Any, state_names: tuple[str, ...]) -> Any:
     """What a group that just took the full path keeps for the next step: a new :class:`Plan`, or
     a :class:`Wait` when plans keep failing for it (doubling up to ``MAX_WAIT`` steps)."""
     if isinstance(previous, Wait) and previous.left > 0:
@@ -94,7 +93,7 @@ def replan(native_module: Any, previous: Any, params: list, state: Any) -> Any:
     if isinstance(previous, Plan) and previous.uses == 0:
         length = min(2 * previous.backoff, MAX_WAIT)
         return Wait(length, length)
-    plan = build(native_module, params, state)
+    plan = build(native_module, params, state, state_names)
     if plan is None:
         return Wait(MAX_WAIT, MAX_WAIT)
     if isinstance(previous, Wait):
@@ -109,27 +108,25 @@ def _addressed(tensors: list[torch.Tensor], addresses: list[int], with_numels: b
     return out
 
 
-def build(native_module: Any, params: list, state: Any) -> Optional[Plan]:
+def build(native_module: Any, params: list, state: Any, state_names: tuple[str, ...]) -> Optional[Plan]:
     """The plan of a group whose step has just passed the full validation, or None when the group
-    cannot be planned (a non-contiguous param or moment: those go through staging copies)."""
+    cannot be planned (a non-contiguous param or state tensor: those go through staging copies).
+    ``state_names``: the update rule's state keys (``contract.RULES``), in kernel order."""
     state_get = state.get
     rows = []
     idle: list = []
     for i, p in enumerate(params):
         st = state_get(p)
         if not st:
-            if p.grad is not None and p.numel() == 0:
-                idle.append((i, True))  # empty: skipped whatever its grad
-            else:
-                idle.append(i)
+            idle.append((i, True) if p.grad is not None and p.numel() == 0 else i)  # empty: skipped whatever its grad
             continue
         if p.grad is None:
             idle.append(i)
             continue
-        m, v = st["exp_avg"], st["exp_avg_sq"]
-        if not (p.is_contiguous() and m.is_contiguous() and v.is_contiguous()):
+        tensors = tuple(st[name] for name in state_names)
+        if not (p.is_contiguous() and all(t.is_contiguous() for t in tensors)):
             return None
-        rows.append((p.device, p.dtype, m.dtype, int(st["step"]), i, p, st, m, v))
+        rows.append((p.device, p.dtype, tensors[0].dtype, int(st["step"]), i, p, st, tensors))
     # Kernel calls as the full step makes them: one per (device, param dtype, state dtype, step).
     order: dict[tuple, list] = {}
     for row in rows:
@@ -137,17 +134,15 @@ def build(native_module: Any, params: list, state: Any) -> Optional[Plan]:
     active, buckets = [], []
     for (device, dtype, _, step), members in order.items():
         begin = len(active)
-        for _, _, _, _, i, p, st, m, v in members:
-            active.append((i, p, dtype, p.shape, device, p.data_ptr(), st, m, v, m.data_ptr(), v.data_ptr(),
-                           st["step"]))
+        for _, _, _, _, i, p, st, tensors in members:
+            active.append((i, p, dtype, p.shape, device, p.data_ptr(), st, tensors,
+                           tuple(t.data_ptr() for t in tensors), st["step"]))
         ps = [r[5] for r in members]
-        ms = [r[7] for r in members]
-        vs = [r[8] for r in members]
+        per_state = [[r[7][k] for r in members] for k in range(len(state_names))]
         buckets.append(Bucket(device, begin, len(active), step,
                               _addressed(ps, [t.data_ptr() for t in ps], with_numels=True),
-                              _addressed(ms, [t.data_ptr() for t in ms]),
-                              _addressed(vs, [t.data_ptr() for t in vs])))
-    native = native_module.GroupPlan(params, active, idle)
+                              [_addressed(ts, [t.data_ptr() for t in ts]) for ts in per_state]))
+    native = native_module.GroupPlan(params, list(state_names), active, idle)
     return Plan(params, native, buckets)
 
 

@@ -2,7 +2,7 @@
 //
 // A plan remembers, for every parameter of a group, what its step looked like when the full
 // validation last passed: the param object and its dtype, shape, device and address; its state
-// dict, moment tensors and their addresses; its step count. Each later step only has to prove
+// dict, state tensors (Adam's moments) and their addresses; its step count. Each later step only has to prove
 // that nothing of that changed and that the new grads fit. The checks read the tensors through
 // their ordinary Python attributes (grad, dtype, shape, layout, device, is_contiguous(),
 // data_ptr()), called from this loop instead of the interpreter's: the module still never touches
@@ -77,8 +77,6 @@ struct Names {
   Accessor grad{"grad", false}, dtype{"dtype", false}, shape{"shape", false}, is_cpu{"is_cpu", false},
       is_mps{"is_mps", false}, device{"device", false}, data_ptr{"data_ptr", true},
       is_contiguous{"is_contiguous", true}, numel{"numel", true};
-  PyObject* exp_avg = PyUnicode_InternFromString("exp_avg");
-  PyObject* exp_avg_sq = PyUnicode_InternFromString("exp_avg_sq");
   PyObject* step = PyUnicode_InternFromString("step");
 };
 
@@ -136,22 +134,38 @@ uint64_t to_u64(nb::handle h) { return nb::cast<uint64_t>(h); }
 // One group's plan. Entries are in the order of the kernel calls they feed.
 class GroupPlan {
  public:
-  // params: the group's param list. active: tuples (index, param, dtype, shape, device, param
-  // address, state dict, exp_avg, exp_avg_sq, exp_avg address, exp_avg_sq address, step).
-  // idle: indices of the params the step skipped: those without a grad, and (index, True) for
-  // empty params without state, which are skipped whatever their grad.
-  GroupPlan(nb::list params, nb::list active, nb::list idle) {
+  // params: the group's param list. state_names: the update rule's state keys (contract.RULES),
+  // in kernel order. active: tuples (index, param, dtype, shape, device, param address, state
+  // dict, state tensors, their addresses, step), the tensors and addresses as tuples in the order
+  // of state_names. idle: indices of the params the step skipped: those without a grad, and
+  // (index, True) for empty params without state, which are skipped whatever their grad.
+  GroupPlan(nb::list params, nb::list state_names, nb::list active, nb::list idle) {
     size_ = PyList_GET_SIZE(params.ptr());
+    for (nb::handle name : state_names) {
+      PyObject* key = name.ptr();
+      if (!PyUnicode_Check(key)) throw std::invalid_argument("GroupPlan: state names are strings");
+      Py_INCREF(key);
+      PyUnicode_InternInPlace(&key);
+      keys_.push_back(Ref(key));
+      Py_DECREF(key);
+    }
+    const size_t k = keys_.size();
     for (nb::handle t : active) {
       nb::tuple e = nb::borrow<nb::tuple>(t);
-      if (e.size() != 12) throw std::invalid_argument("GroupPlan: an active entry has 12 fields");
+      if (e.size() != 10) throw std::invalid_argument("GroupPlan: an active entry has 10 fields");
       Entry x;
       x.index = nb::cast<Py_ssize_t>(e[0]);
       x.p = Ref(e[1].ptr()); x.dtype = Ref(e[2].ptr()); x.shape = Ref(e[3].ptr()); x.device = Ref(e[4].ptr());
       x.pptr = to_u64(e[5]);
-      x.st = Ref(e[6].ptr()); x.m = Ref(e[7].ptr()); x.v = Ref(e[8].ptr());
-      x.mptr = to_u64(e[9]); x.vptr = to_u64(e[10]);
-      x.step = Ref(e[11].ptr());
+      x.st = Ref(e[6].ptr());
+      nb::tuple tensors = nb::borrow<nb::tuple>(e[7]), addrs = nb::borrow<nb::tuple>(e[8]);
+      if (tensors.size() != k || addrs.size() != k)
+        throw std::invalid_argument("GroupPlan: an entry has one tensor and one address per state");
+      for (size_t j = 0; j < k; ++j) {
+        states_.push_back(Ref(tensors[j].ptr()));
+        state_addrs_.push_back(to_u64(addrs[j]));
+      }
+      x.step = Ref(e[9].ptr());
       // The device test: a bool property where there is one (no torch.device object to build).
       std::string type = nb::cast<std::string>(nb::getattr(e[4], "type"));
       x.on = type == "cpu" ? &names().is_cpu : type == "mps" ? &names().is_mps : nullptr;
@@ -189,7 +203,9 @@ class GroupPlan {
       Py_DECREF(g);
       if (!none) return false;  // a grad appeared: a new kind of step, re-plan
     }
-    for (const Entry& e : entries_) {
+    const size_t k = keys_.size();
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      const Entry& e = entries_[i];
       PyObject* p = e.p.get();
       if (PyList_GET_ITEM(plist, e.index) != p) return false;
       uint64_t addr;
@@ -205,7 +221,8 @@ class GroupPlan {
       // false for sparse COO ones).
       bool ok = g != Py_None && attr_is(g, n.dtype, e.dtype.get()) &&
                 (e.on != nullptr ? attr_is(g, *e.on, Py_True) : attr_eq(g, n.device, e.device.get())) &&
-                attr_eq(g, n.shape, e.shape.get()) && attr_is(g, n.is_contiguous, Py_True) && attr_u64(g, n.data_ptr, &addr);
+                attr_eq(g, n.shape, e.shape.get()) && attr_is(g, n.is_contiguous, Py_True) &&
+                attr_u64(g, n.data_ptr, &addr);
       if (ok) {
         PyObject* a = PyLong_FromUnsignedLongLong(addr);
         ok = a != nullptr && PyList_Append(grads.ptr(), g) == 0 && PyList_Append(grad_addresses.ptr(), a) == 0;
@@ -216,14 +233,15 @@ class GroupPlan {
       if (!ok) return false;
       // The state: the same dict entries, the same tensors at the same addresses, the planned step.
       PyObject* st = e.st.get();
-      PyObject* m = PyDict_GetItemWithError(st, n.exp_avg);  // borrowed
-      PyObject* v = m == e.m.get() ? PyDict_GetItemWithError(st, n.exp_avg_sq) : nullptr;
-      PyObject* s = v == e.v.get() ? PyDict_GetItemWithError(st, n.step) : nullptr;
+      for (size_t j = 0; j < k; ++j) {
+        PyObject* t = PyDict_GetItemWithError(st, keys_[j].get());  // borrowed
+        if (t != states_[i * k + j].get()) { PyErr_Clear(); return false; }
+        if (!attr_u64(t, n.data_ptr, &addr) || addr != state_addrs_[i * k + j]) return false;
+      }
+      PyObject* s = PyDict_GetItemWithError(st, n.step);
       if (s == nullptr) { PyErr_Clear(); return false; }
       int same_step = s == e.step.get() ? 1 : PyObject_RichCompareBool(s, e.step.get(), Py_EQ);
       if (same_step != 1) { PyErr_Clear(); return false; }
-      if (!attr_u64(m, n.data_ptr, &addr) || addr != e.mptr) return false;
-      if (!attr_u64(v, n.data_ptr, &addr) || addr != e.vptr) return false;
     }
     return true;
   }
@@ -243,12 +261,15 @@ class GroupPlan {
  private:
   struct Entry {
     Py_ssize_t index = 0;
-    Ref p, dtype, shape, device, st, m, v, step;
+    Ref p, dtype, shape, device, st, step;
     Accessor* on = nullptr;  // is_cpu or is_mps, or null: compare devices
-    uint64_t pptr = 0, mptr = 0, vptr = 0;
+    uint64_t pptr = 0;
   };
   Py_ssize_t size_ = 0;
+  std::vector<Ref> keys_;             // the rule's state names
   std::vector<Entry> entries_;
+  std::vector<Ref> states_;           // entry i's state tensors at [i * keys_.size(), ...)
+  std::vector<uint64_t> state_addrs_;  // and their addresses
   struct Idle {
     Py_ssize_t index;
     Ref p;
@@ -290,7 +311,8 @@ class DictSnapshot {
 
 void register_step_plan(nb::module_& m) {
   nb::class_<GroupPlan>(m, "GroupPlan", "One param group's cached step plan (see step_plan.py).")
-      .def(nb::init<nb::list, nb::list, nb::list>(), nb::arg("params"), nb::arg("active"), nb::arg("idle"))
+      .def(nb::init<nb::list, nb::list, nb::list, nb::list>(), nb::arg("params"), nb::arg("state_names"),
+           nb::arg("active"), nb::arg("idle"))
       .def("check", &GroupPlan::check, nb::arg("params"), nb::arg("grads"), nb::arg("grad_addresses"),
            "True when nothing planned changed; fills grads and grad_addresses in entry order.")
       .def("set_steps", &GroupPlan::set_steps, nb::arg("begin"), nb::arg("end"), nb::arg("step"),
