@@ -305,3 +305,19 @@ def test_group_of_1000_tensors_matches_reference():
     for _ in range(4):
         m.step()
     assert uses(m.plan()) == 3
+
+
+def test_mps_buffers_match_mps_buffer():
+    """Tier 1's quick buffer triples are mps_buffer's, for views at an offset, with addresses from a
+    plan's list or read afresh, and for an empty tensor."""
+    from mps_fused_adam.backends import Addressed
+    from mps_fused_adam.mps_backends import mps_buffer, mps_buffers
+    base = torch.randn(64).bfloat16()
+    tensors = [base[10:30], base[3:7], torch.randn(5).bfloat16(), base.view(8, 8)[2:4], base[5:5]]
+    expected = [mps_buffer(t) for t in tensors]
+    numels = [t.numel() for t in tensors]
+    assert mps_buffers(tensors, numels) == expected
+    listed = Addressed(tensors)
+    listed.addresses, listed.numels = [t.data_ptr() for t in tensors], numels
+    assert mps_buffers(listed, numels) == expected
+    assert expected[0][1] == 20 and expected[0][0] == base.untyped_storage().data_ptr()
