@@ -163,7 +163,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     if args.overhead:
         from .bench_overhead import overhead_section
-        overhead_section(**({"repeats": 21, "rounds": 3} if args.quick else {}))
+        overhead_section(**({"repeats": 30} if args.quick else {}))
         return 0
     all_threads = os.cpu_count() or 1
     threads = args.threads or sorted({1, all_threads})
