@@ -26,18 +26,12 @@ rejected step still changes nothing.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
 from .backends import Addressed
-
-
-# Reading a Parameter's attributes first looks up its __torch_function__ (a string built and
-# interned per access: about half of each getter's cost); the check wants the raw attributes anyway.
-_raw_attributes = getattr(torch._C, "DisableTorchFunctionSubclass", contextlib.nullcontext)
 
 
 @dataclass
@@ -152,7 +146,6 @@ def check(plan: Plan, params: list) -> Optional[list[tuple[Bucket, Addressed]]]:
         return None
     grads: list = []
     addresses: list = []
-    with _raw_attributes():
-        if not plan.native.check(params, grads, addresses):
-            return None
+    if not plan.native.check(params, grads, addresses):
+        return None
     return [(b, _addressed(grads[b.begin:b.end], addresses[b.begin:b.end])) for b in plan.buckets]
