@@ -321,3 +321,21 @@ def test_mps_buffers_match_mps_buffer():
     listed.addresses, listed.numels = [t.data_ptr() for t in tensors], numels
     assert mps_buffers(listed, numels) == expected
     assert expected[0][1] == 20 and expected[0][0] == base.untyped_storage().data_ptr()
+
+
+def test_param_dtype_reinterpreted_at_same_address_rejected():
+    """A bf16 param viewed as fp16 keeps its address and shape: only its dtype tells the plan apart."""
+    m = Mirror([(8,), (8,)], dtype=torch.bfloat16)
+    m.step()
+    m.step()
+    p = m.params[0]
+    p.grad = torch.randn(8).bfloat16()
+    m.params[1].grad = torch.randn(8).bfloat16()
+    addr = p.data_ptr()
+    p.data = p.data.view(torch.float16)
+    assert p.data_ptr() == addr
+    before = m.params[1].detach().clone()
+    with pytest.raises(ValueError, match=r"\['params'\]\[0\] \(shape \(8,\), float16, cpu\): grad dtype "
+                                         r"torch.bfloat16 does not match; expected torch.float16"):
+        m.opt.step()
+    assert torch.equal(m.params[1].detach(), before)

@@ -175,6 +175,8 @@ class _AdamBase(torch.optim.Optimizer):
         if plans and (snapshot is None or self.__dict__.get("_plans_state_dtype") != self._fixed_state_dtype
                       or not snapshot.unchanged(self.state)):
             plans.clear()
+        for gi in [gi for gi in plans if gi >= len(self.param_groups)]:
+            del plans[gi]  # a removed group's plan would keep its tensors alive
         return plans
 
     def _replan(self, plans: dict[int, Any], groups: list) -> None:
