@@ -339,3 +339,19 @@ def test_param_dtype_reinterpreted_at_same_address_rejected():
                                          r"torch.bfloat16 does not match; expected torch.float16"):
         m.opt.step()
     assert torch.equal(m.params[1].detach(), before)
+
+
+def test_state_tensor_replaced_by_a_view_at_same_address_rejected():
+    """Another tensor object over the same memory, of another dtype: only its identity tells."""
+    m = Mirror([(8,), (8,)], dtype=torch.bfloat16)
+    m.step()
+    m.step()
+    st = m.opt.state[m.params[1]]
+    st["exp_avg"] = st["exp_avg"].view(torch.float16)
+    for p in m.params:
+        p.grad = torch.randn(8).bfloat16()
+    before = [p.detach().clone() for p in m.params]
+    with pytest.raises(ValueError, match=r"\['params'\]\[1\].*optimizer state 'exp_avg' is exp_avg \(shape \(8,\), "
+                                         r"float16, cpu\); expected shape \(8,\), bfloat16, cpu"):
+        m.opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(m.params, before))
