@@ -355,3 +355,19 @@ def test_state_tensor_replaced_by_a_view_at_same_address_rejected():
                                          r"float16, cpu\); expected shape \(8,\), bfloat16, cpu"):
         m.opt.step()
     assert all(torch.equal(p.detach(), b) for p, b in zip(m.params, before))
+
+
+def test_grad_of_another_shape_through_its_data_rejected():
+    """torch's grad setter checks the shape, but a grad's own ``.data`` can still change it: the
+    plan must read the new grad's shape, or the kernel would read past its memory."""
+    m = Mirror([(8,), (8,)])
+    m.step()
+    m.step()
+    for p in m.params:
+        p.grad = torch.randn(8)
+    m.params[0].grad.data = torch.randn(3)
+    before = [p.detach().clone() for p in m.params]
+    with pytest.raises(ValueError, match=r"\['params'\]\[0\] \(shape \(8,\).*grad shape \(3,\) does not match; "
+                                         r"expected \(8,\)"):
+        m.opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(m.params, before))
