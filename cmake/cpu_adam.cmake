@@ -37,8 +37,10 @@ else()
 endif()
 
 nanobind_add_module(_cpu NB_STATIC
-  src/cpu/bindings.cpp src/cpu/step_plan.cpp src/cpu/dispatch.cpp src/cpu/step.cpp src/cpu/thread_pool.cpp ${MFA_ISA_OBJECTS})
+  src/cpu/bindings.cpp src/cpu/step_plan.cpp src/cpu/dispatch.cpp src/cpu/step.cpp src/cpu/thread_pool.cpp
+  src/cpu/torch_openmp.cpp ${MFA_ISA_OBJECTS})
 target_compile_options(_cpu PRIVATE ${MFA_CPU_MATH_FLAGS})
 find_package(Threads REQUIRED)
-target_link_libraries(_cpu PRIVATE Threads::Threads)
+# dlopen/dlsym: torch_openmp.cpp borrows the OpenMP runtime torch loaded (nothing is linked).
+target_link_libraries(_cpu PRIVATE Threads::Threads ${CMAKE_DL_LIBS})
 install(TARGETS _cpu LIBRARY DESTINATION mps_fused_adam)

@@ -2,6 +2,8 @@
 this CPU can run. Operation order and rounding are the same, so results must be bit-identical."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -107,8 +109,11 @@ def test_many_tensors_one_call_and_threads():
         assert all(torch.equal(a, b) for a, b in zip(out, ref))
 
 
-def test_thread_count_follows_torch():
+@pytest.mark.parametrize("torch_openmp", [True, False], ids=["torch-openmp", "own-pool"])
+def test_thread_count_follows_torch(torch_openmp):
+    """Every thread count, on torch's OpenMP threads and on our own pool, gives the reference's bits."""
     old = torch.get_num_threads()
+    _cpu.use_torch_openmp(torch_openmp)
     try:
         for threads in (1, 3):
             torch.set_num_threads(threads)
@@ -117,10 +122,48 @@ def test_thread_count_follows_torch():
             hp = AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 1)
             CPUBackend().update("adam", [p], [g], [[m], [v]], hp)
             reference_adam_(*ref, hp)
-            assert torch.equal(p, ref[0])
-            assert _cpu.pool_size() >= threads
+            assert torch.equal(p, ref[0]) and torch.equal(m, ref[2]) and torch.equal(v, ref[3])
+            if not torch_openmp:
+                assert _cpu.pool_size() >= threads
     finally:
+        _cpu.use_torch_openmp(True)
         torch.set_num_threads(old)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torch's OpenMP is borrowed on Linux only")
+def test_steps_run_on_torchs_openmp_threads():
+    """On Linux the kernel runs on the OpenMP runtime of torch's wheel (found, not linked), so it
+    shares torch's worker threads instead of competing with them."""
+    assert _cpu.thread_pool().startswith("torch's OpenMP (") and "/torch/lib/" in _cpu.thread_pool()
+    _cpu.use_torch_openmp(False)
+    try:
+        assert _cpu.thread_pool() == "own"
+    finally:
+        _cpu.use_torch_openmp(True)
+
+
+def test_fork_child_steps_on_its_own_pool():
+    """A forked child (a DataLoader worker, say) cannot use the parent's OpenMP threads: it falls
+    back to a fresh pool of its own and still computes the reference's bits."""
+    import multiprocessing as mp
+    ctx = mp.get_context("fork")
+    p, g, m, v = make_tensors(1 << 18, torch.float32, torch.float32)
+    ref = [t.clone() for t in (p, g, m, v)]
+    hp = AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, 1)
+    CPUBackend().update("adam", [p.clone()], [g], [[m.clone()], [v.clone()]], hp)  # parent uses its threads first
+    reference_adam_(*ref, hp)
+    shared = [t.clone().share_memory_() for t in (p, g, m, v)]
+    proc = ctx.Process(target=_child_step, args=(shared, hp))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0
+    assert torch.equal(shared[0], ref[0]) and torch.equal(shared[2], ref[2])
+
+
+def _child_step(tensors, hp):
+    torch.set_num_threads(2)
+    p, g, m, v = tensors
+    CPUBackend().update("adam", [p], [g], [[m], [v]], hp)
 
 
 def test_set_simd_path_rejects_unknown():

@@ -48,7 +48,8 @@ def main() -> int:
 
     print("\nShort benchmark (python -m mps_fused_adam.bench for the full one):")
     from .bench import main as bench_main
-    return bench_main(["--quick", "--threads", str(torch.get_num_threads())])
+    # No DeepSpeed here: its first use JIT-builds for minutes, too long for a self-check.
+    return bench_main(["--quick", "--no-deepspeed", "--threads", str(torch.get_num_threads())])
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
-"""Benchmark: ``python -m mps_fused_adam.bench [--quick] [--deepspeed] [--plot out.png] [--overhead]``.
+"""Benchmark: ``python -m mps_fused_adam.bench [--quick] [--threads 1 4 16] [--no-deepspeed] [--plot out.png]
+[--overhead]``.
 
 CPU section: ours, ``torch.optim.AdamW(fused=True)``, ``torch.optim.AdamW(foreach=True)``,
-DeepSpeed's ``DeepSpeedCPUAdam`` (with ``--deepspeed``: its first use JIT-builds for minutes) and
-the memory floor (Adam's access pattern, 4 reads and 3 in-place writes, with trivial math, in our
-own loop and thread pool). All contenders of a case run interleaved, one step each in turn, and
-the median is kept: these machines are noisy, so only ratios within one run mean anything.
-Then the MPS section (``bench_mps``), which says "no MPS device" off Apple Silicon.
+DeepSpeed's ``DeepSpeedCPUAdam`` whenever it is importable (its first use JIT-builds for a minute
+or two; ``--no-deepspeed`` leaves it out) and the memory floor (Adam's access pattern, 4 reads and
+3 in-place writes, with trivial math, in our own loop and thread pool). All contenders of a case
+run interleaved, one step each in turn, and the median is kept: these machines are noisy, so only
+ratios within one run mean anything. A summary then gives, per case, ours against the fastest of
+the others and against the floor. Then the MPS section (``bench_mps``), which says "no MPS device"
+off Apple Silicon.
 """
 from __future__ import annotations
 
@@ -48,22 +51,24 @@ def _params(count: int, size: int, dtype: torch.dtype) -> list[torch.nn.Paramete
     return params
 
 
-def _floor_fn(opt: torch.optim.Optimizer, params, pdtype, sdtype) -> Callable[[], None]:
+def _floor_fn(params, pdtype: torch.dtype, sdtype: torch.dtype) -> Callable[[], None]:
+    """The memory floor on tensors of its own, the size and dtypes of the case's: its trivial math
+    (v = v + g, ...) would otherwise leave negative second moments, and so NaN, in the tensors the
+    real optimizers share."""
     from . import _cpu
-    states = [opt.state[p] for p in params]
-    ptrs = ([p.data_ptr() for p in params], [p.grad.data_ptr() for p in params],
-            [[s["exp_avg"].data_ptr() for s in states], [s["exp_avg_sq"].data_ptr() for s in states]],
-            [p.numel() for p in params])
+    own = [(p.detach().clone(), p.grad.clone(), torch.zeros_like(p, dtype=sdtype), torch.zeros_like(p, dtype=sdtype))
+           for p in params]
+    ptrs = ([t[0].data_ptr() for t in own], [t[1].data_ptr() for t in own],
+            [[t[2].data_ptr() for t in own], [t[3].data_ptr() for t in own]], [t[0].numel() for t in own])
     codes = (_DTYPE_CODES[pdtype], _DTYPE_CODES[sdtype])
     # The floor takes Adam's scalar struct (and ignores it), so its call is Adam's call.
     blob = RULES["adam"].pack(AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 1))
-    return lambda: _cpu.step("floor", *ptrs, *codes, blob, torch.get_num_threads())
+    return lambda: (own, _cpu.step("floor", *ptrs, *codes, blob, torch.get_num_threads()))[1]
 
 
 def _contenders(params, pdtype, sdtype, deepspeed: bool) -> dict[str, Callable[[], None]]:
     ours = CPUAdam(params, fp32_optimizer_states=True) if sdtype != pdtype else AdamW(params, weight_decay=0.01)
-    ours.step()  # creates the state the floor loop walks over
-    found: dict[str, Callable[[], None]] = {"ours": ours.step, "floor": _floor_fn(ours, params, pdtype, sdtype)}
+    found: dict[str, Callable[[], None]] = {OURS: ours.step, FLOOR: _floor_fn(params, pdtype, sdtype)}
     if sdtype == pdtype:  # torch keeps moments in the param dtype only
         found["torch fused"] = torch.optim.AdamW(params, weight_decay=0.01, fused=True).step
         found["torch foreach"] = torch.optim.AdamW(params, weight_decay=0.01, foreach=True).step
@@ -72,9 +77,32 @@ def _contenders(params, pdtype, sdtype, deepspeed: bool) -> dict[str, Callable[[
             from deepspeed.ops.adam import DeepSpeedCPUAdam
             found["deepspeed cpu_adam"] = DeepSpeedCPUAdam(
                 params, weight_decay=0.01, fp32_optimizer_states=sdtype == F32).step
+        except ImportError:
+            pass  # not installed: nothing to compare with
         except Exception as exc:  # report and go on: DeepSpeed is a contender, not a requirement
             print(f"  (DeepSpeedCPUAdam unavailable: {exc!r})")
     return found
+
+
+OURS, FLOOR = "ours", "floor"
+
+
+def summary(rows: list[Row]) -> list[str]:
+    """Per case: ours, the fastest other implementation, ours' speed relative to it (>1: ours is
+    faster) and to the memory floor (1.0: at the floor)."""
+    lines = ["| case | dtypes | threads | ours ns/elem | fastest other | its ns/elem | ours vs it | ours vs floor |",
+             "|---|---|---|---|---|---|---|---|"]
+    cases = list(dict.fromkeys((r.case, r.dtypes, r.threads) for r in rows))
+    for case in cases:
+        by = {r.contender: r for r in rows if (r.case, r.dtypes, r.threads) == case}
+        ours, floor = by[OURS], by[FLOOR]
+        others = [r for name, r in by.items() if name not in (OURS, FLOOR)]
+        best = min(others, key=lambda r: r.ns_per_elem) if others else None
+        best_cells = (f"{best.contender} | {best.ns_per_elem:.3f} | {best.ns_per_elem / ours.ns_per_elem:.2f}x"
+                      if best else "(none) | - | -")
+        lines.append(f"| {case[0]} | {case[1]} | {case[2]} | {ours.ns_per_elem:.3f} | {best_cells} | "
+                     f"{floor.ns_per_elem / ours.ns_per_elem:.2f} |")
+    return lines
 
 
 def cpu_section(flat: int, many: tuple[int, int], thread_counts: list[int], repeats: int,
@@ -94,7 +122,7 @@ def cpu_section(flat: int, many: tuple[int, int], thread_counts: list[int], repe
                     for name, secs in t.items():
                         rows.append(Row(case, label, threads, name, secs / numel * 1e9,
                                         bytes_per_elem(pd, sd) * numel / secs / 1e9,
-                                        t["floor"] / secs, t["torch fused"] / secs if "torch fused" in t else None))
+                                        t[FLOOR] / secs, t["torch fused"] / secs if "torch fused" in t else None))
                     _print_rows(rows[-len(t):])
                 del contenders, params
     finally:
@@ -153,8 +181,10 @@ def _plot(rows: list[Row], path: str) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, few repeats (the main job's benchmark)")
-    ap.add_argument("--deepspeed", action="store_true", help="include DeepSpeedCPUAdam (JIT-builds on first use)")
-    ap.add_argument("--threads", type=int, nargs="*", help="thread counts (default: 1 and all)")
+    ap.add_argument("--no-deepspeed", action="store_true",
+                    help="leave DeepSpeedCPUAdam out (otherwise included when importable; JIT-builds on first use)")
+    ap.add_argument("--deepspeed", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
+    ap.add_argument("--threads", type=int, nargs="*", help="thread counts, e.g. --threads 1 4 16 (default: 1 and all)")
     ap.add_argument("--repeats", type=int, help="interleaved rounds per case")
     ap.add_argument("--plot", metavar="PNG", help="write a bar chart")
     ap.add_argument("--mps-only", action="store_true", help="run only the MPS section")
@@ -170,11 +200,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows: list[Row] = []
     if not args.mps_only:
         info = backend_info()["cpu"]
-        print(f"CPU backend: {info['backend']} ({info.get('simd', '-')}), torch {torch.__version__}, {all_threads} CPUs")
+        from . import _cpu
+        print(f"CPU backend: {info['backend']} ({info.get('simd', '-')}, threads: {_cpu.thread_pool()}), "
+              f"torch {torch.__version__}, {all_threads} CPUs, load average {os.getloadavg()[0]:.1f}")
         print(HEADER)
         print("|---|---|---|---|---|---|---|---|")
         flat, many, repeats = (8 * 2**20, (128, 65536), 3) if args.quick else (64 * 2**20, (1000, 65536), 7)
-        rows = cpu_section(flat, many, threads, args.repeats or repeats, args.deepspeed)
+        rows = cpu_section(flat, many, threads, args.repeats or repeats, not args.no_deepspeed)
+        print("\nPer case, ours against the fastest other implementation and the memory floor "
+              "(speed ratios: >1 means ours is faster):")
+        print("\n".join(summary(rows)))
+        print(f"load average at the end: {os.getloadavg()[0]:.1f}")
         t = first_step_seconds()
         print(f"\nimport to end of first step, 1M-parameter model: {t['total']:.2f} s (import torch "
               f"{t['import torch']:.2f} s, first forward/backward {t['first forward/backward']:.2f} s, "

@@ -90,9 +90,6 @@ class AdamScalars(NamedTuple):
     maximize: int
 
 
-# The name the rest of the package has used for Adam's scalars.
-KernelScalars = AdamScalars
-
 
 def adam_scalars(hp: AdamHyper) -> AdamScalars:
     """Adam's host scalars: computed in double once per call, each rounded once to fp32.
@@ -109,8 +106,6 @@ def adam_scalars(hp: AdamHyper) -> AdamScalars:
         int(bool(hp.adam_w_mode)), int(bool(hp.maximize)),
     )
 
-
-kernel_scalars = adam_scalars
 
 
 @dataclass(frozen=True)

@@ -42,10 +42,8 @@ TIER1_MIN_TORCH = (2, 10)
 METALLIB_NAME = "fused_adam.metallib"
 METAL_SOURCE_NAME = "fused_adam.metal"
 
-# Storage dtype names as the kernels' host names spell them, and the codes _metal takes
-# (the same codes as backends._DTYPE_CODES / the _cpu extension).
+# Storage dtype names as the kernels' host names spell them.
 _DTYPE_NAMES = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat"}
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 # (rule, param dtype, state dtype) -> kernel host name; states are fp32 or the param dtype.
 KERNELS = {

@@ -13,6 +13,7 @@
 #include "dispatch.h"
 #include "step.h"
 #include "thread_pool.h"
+#include "torch_openmp.h"
 
 namespace nb = nanobind;
 using namespace mfa;
@@ -123,4 +124,10 @@ NB_MODULE(_cpu, m) {
   m.def("set_simd_path", [](const std::string& name) { set_active_isa(name); }, "Select a SIMD build by name.");
   register_step_plan(m);
   m.def("pool_size", [] { return ThreadPool::instance().size(); }, "Threads in the pool, the caller included.");
+  m.def("thread_pool", [] {
+    std::string path = torch_openmp_path();
+    return torch_openmp_enabled() ? "torch's OpenMP (" + path + ")" : std::string("own");
+  }, "Whose threads run a step: torch's OpenMP runtime (borrowed, not linked) or our own pool.");
+  m.def("use_torch_openmp", [](bool on) { set_torch_openmp(on); },
+        "Run steps on torch's OpenMP threads where available (default), or on our own pool.");
 }

@@ -4,6 +4,8 @@
 
 #include <new>
 
+#include "torch_openmp.h"
+
 namespace mfa {
 
 ThreadPool& ThreadPool::instance() {
@@ -66,6 +68,8 @@ void ThreadPool::run(int n, Task task, void* ctx) {
     task(ctx, 0);
     return;
   }
+  // torch's own OpenMP threads where they can be borrowed (torch_openmp.h says why).
+  if (run_on_torch_openmp(n, task, ctx)) return;
   std::lock_guard<std::mutex> serial(run_mu_);
   long pid = static_cast<long>(getpid());
   if (owner_pid_ != pid) {
