@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
@@ -21,6 +21,25 @@ from .contract import AdagradHyper, AdamHyper, LionHyper, adagrad_scalars, adam_
 from .contract import rule as rule_spec
 
 TensorList = Sequence[torch.Tensor]
+
+
+class Addressed(list):
+    """A list of tensors that also carries what a backend would otherwise read from each of them:
+    ``addresses`` (``data_ptr()``) and, where known, ``numels``. The optimizer's step plans hand
+    these over (step_plan.py), having read and checked the addresses this step."""
+
+    addresses: list[int]
+    numels: Optional[list[int]]
+
+
+def addresses(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """Every tensor's ``data_ptr()``, taken from an :class:`Addressed` list when it has them."""
+    return tensors.addresses if type(tensors) is Addressed else [t.data_ptr() for t in tensors]
+
+
+def numels(tensors: Sequence[torch.Tensor]) -> list[int]:
+    known = tensors.numels if type(tensors) is Addressed else None
+    return known if known is not None else [t.numel() for t in tensors]
 
 
 class Backend(Protocol):
@@ -140,8 +159,7 @@ class CPUBackend:
 
     def update(self, rule: str, params, grads, states, hp) -> None:
         self._cpu.step(
-            rule, [t.data_ptr() for t in params], [t.data_ptr() for t in grads],
-            [[t.data_ptr() for t in lst] for lst in states], [t.numel() for t in params],
+            rule, addresses(params), addresses(grads), [addresses(lst) for lst in states], numels(params),
             _DTYPE_CODES[params[0].dtype], _DTYPE_CODES[states[0][0].dtype],
             rule_spec(rule).pack(hp), torch.get_num_threads(),
         )

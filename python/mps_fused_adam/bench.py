@@ -1,4 +1,5 @@
-"""Benchmark: ``python -m mps_fused_adam.bench [--quick] [--threads 1 4 16] [--no-deepspeed] [--plot out.png]`` (``--help``).
+"""Benchmark: ``python -m mps_fused_adam.bench [--quick] [--threads 1 4 16] [--no-deepspeed] [--plot out.png]
+[--overhead]`` (``--help``).
 
 CPU section: ours, ``torch.optim.AdamW(fused=True)``, ``torch.optim.AdamW(foreach=True)``,
 DeepSpeed's ``DeepSpeedCPUAdam`` whenever it is importable (its first use JIT-builds for a minute
@@ -230,9 +231,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--plot", metavar="PNG", help="write a bar chart (needs matplotlib: the 'bench' extra)")
     ap.add_argument("--mps-only", action="store_true", help="run only the MPS section")
     ap.add_argument("--no-mps", action="store_true", help="skip the MPS section")
+    ap.add_argument("--overhead", action="store_true", help="only the per-tensor cost of the step path (bench_overhead)")
     args = ap.parse_args(argv)
     if args.plot:
         _require_matplotlib()
+    if args.overhead:
+        from .bench_overhead import overhead_section
+        overhead_section(**({"repeats": 30} if args.quick else {}))
+        return 0
     all_threads = os.cpu_count() or 1
     threads = args.threads or sorted({1, all_threads})
     rows: list[Row] = []

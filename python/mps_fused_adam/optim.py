@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from . import validate
+from . import step_plan, validate
 from .backends import SUPPORTED_DTYPES, get_backend, update_staged
 from .contract import RULES, AdagradHyper, AdamHyper, LionHyper
 
@@ -138,39 +138,87 @@ class _FusedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # One pass validates every tensor and sorts it into kernel calls; nothing is written
-        # (no state created, no step counted) until the whole step is known good.
-        plans = [self._plan_group(gi, group) for gi, group in enumerate(self.param_groups)]
+        # Every group is validated and sorted into kernel calls before anything is written (no
+        # state created, no step counted) until the whole step is known good. A group whose cached
+        # plan still holds (step_plan.py) is checked in C++; any other takes the full path.
+        plans = self._step_plans()
+        work = []
+        for gi, group in enumerate(self.param_groups):
+            self._check_group(group, f"param_groups[{gi}]")
+            plan = plans.get(gi)
+            fast = step_plan.check(plan, group["params"]) if isinstance(plan, step_plan.Plan) else None
+            work.append((gi, group, plan, fast) if fast is not None else (gi, group, plan, self._plan_group(gi, group)))
+        replan = []
+        for gi, group, plan, planned in work:
+            if isinstance(planned, list):
+                self._step_planned(group, plan, planned)
+            else:
+                self._step_full(group, *planned[1:])
+                replan.append((gi, group, plan))
+        if replan:
+            self._replan(plans, replan)
+        return loss
+
+    def _step_planned(self, group: dict[str, Any], plan: step_plan.Plan, planned: list) -> None:
+        plan.uses += 1
+        for bucket, grads in planned:
+            step = bucket.step + 1
+            plan.native.set_steps(bucket.begin, bucket.end, step)
+            bucket.step = step
+            # The plan holds only contiguous tensors and checked that each grad is: no staging.
+            get_backend(bucket.device).update(self._rule, bucket.params, grads, bucket.states,
+                                              self._hyper(group, step))
+
+    def _step_full(self, group: dict[str, Any], fresh: list, buckets: dict) -> None:
         names = self._state_names
         nstates = len(names)
-        for group, fresh, buckets in plans:
-            for p, pi, slots in fresh:
-                st = slots[pi] = self.state[p]
-                sd = self._state_dtype(p)
-                st["step"] = 0
-                for name in names:
-                    st[name] = self._new_state(p, name, sd, group)
-                key = (p.device, p.dtype, sd, 0)
-                bucket = buckets.get(key)
-                if bucket is None:
-                    bucket = buckets[key] = tuple([] for _ in range(nstates + 3))
-                bucket[0].append(p)
-                bucket[1].append(p.grad)
-                for k, name in enumerate(names):
-                    bucket[2 + k].append(st[name])
-                bucket[-1].append(st)
-            for (device, _, _, last_step), bucket in buckets.items():
-                step = int(last_step) + 1
-                for st in bucket[-1]:
-                    st["step"] = step
-                hp = self._hyper(group, step)
-                update_staged(get_backend(device), self._rule, bucket[0], bucket[1], list(bucket[2:-1]), hp)
-        return loss
+        for p, pi, slots in fresh:
+            st = slots[pi] = self.state[p]
+            sd = self._state_dtype(p)
+            st["step"] = 0
+            for name in names:
+                st[name] = self._new_state(p, name, sd, group)
+            key = (p.device, p.dtype, sd, 0)
+            bucket = buckets.get(key)
+            if bucket is None:
+                bucket = buckets[key] = tuple([] for _ in range(nstates + 3))
+            bucket[0].append(p)
+            bucket[1].append(p.grad)
+            for k, name in enumerate(names):
+                bucket[2 + k].append(st[name])
+            bucket[-1].append(st)
+        for (device, _, _, last_step), bucket in buckets.items():
+            step = int(last_step) + 1
+            for st in bucket[-1]:
+                st["step"] = step
+            update_staged(get_backend(device), self._rule, bucket[0], bucket[1], list(bucket[2:-1]),
+                          self._hyper(group, step))
+
+    def _step_plans(self) -> dict[int, Any]:
+        """The groups' cached plans, or none when the optimizer's state dict has changed since they
+        were made (or the state dtype policy has: CPUAdam's ``fp32_optimizer_states``)."""
+        plans = self.__dict__.setdefault("_plans", {})
+        snapshot = self.__dict__.get("_plans_snapshot")
+        if plans and (snapshot is None or self.__dict__.get("_plans_state_dtype") != self._fixed_state_dtype
+                      or not snapshot.unchanged(self.state)):
+            plans.clear()
+        for gi in [gi for gi in plans if gi >= len(self.param_groups)]:
+            del plans[gi]  # a removed group's plan would keep its tensors alive
+        return plans
+
+    def _replan(self, plans: dict[int, Any], groups: list) -> None:
+        """Plan the groups that just took the full path, for the next step."""
+        native = step_plan.native()
+        if native is None:
+            return
+        for gi, group, previous in groups:
+            plans[gi] = step_plan.replan(native, previous, group["params"], self.state, RULES[self._rule].states)
+        self._plans_snapshot = native.DictSnapshot(self.state)
+        self._plans_state_dtype = self._fixed_state_dtype
 
     def _plan_group(self, gi: int, group: dict[str, Any]) -> tuple[dict[str, Any], list, dict]:
         """Validate one group; return it, its params that need new state, and its kernel calls
         keyed by (device, param dtype, state dtype, step count so far)."""
-        self._check_group(group, f"param_groups[{gi}]")
         params = group["params"]
         slots = self._slots(gi, params)
         supported, strided, only = SUPPORTED_DTYPES, torch.strided, self._device_type

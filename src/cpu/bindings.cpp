@@ -19,6 +19,8 @@
 namespace nb = nanobind;
 using namespace mfa;
 
+void register_step_plan(nb::module_& m);  // step_plan.cpp
+
 namespace {
 
 Combo combo_of(int param_dtype, int state_dtype) {
@@ -145,6 +147,7 @@ NB_MODULE(_cpu, m) {
     return names;
   }, "The SIMD builds this CPU can run, best first.");
   m.def("set_simd_path", [](const std::string& name) { set_active_isa(name); }, "Select a SIMD build by name.");
+  register_step_plan(m);
   m.def("pool_size", [] { return ThreadPool::instance().size(); }, "Threads in the pool, the caller included.");
   m.def("pin_pool", [](const std::vector<int>& cores, bool one_per_thread) {
     return ThreadPool::instance().pin(cores, one_per_thread);
