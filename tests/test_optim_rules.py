@@ -180,3 +180,29 @@ def test_adagrad_sparse_grad_rejected_and_nothing_changes():
         opt.step()
     assert torch.equal(q.detach(), before[0]) and torch.equal(p.detach(), before[1])
     assert torch.equal(opt.state[q]["sum"], before[2]) and opt.state[q]["step"] == 0
+
+
+@pytest.mark.parametrize("source,target,message", [
+    (lambda ps: torch.optim.AdamW(ps), lambda ps: mfa.Lion(ps), "not a Lion state dict: param_groups[0] has 'eps'"),
+    (lambda ps: torch.optim.AdamW(ps), lambda ps: mfa.Adagrad(ps), "not an Adagrad state dict: param_groups[0] has no 'lr_decay'"),
+    (lambda ps: torch.optim.Adagrad(ps), lambda ps: mfa.AdamW(ps), "not an Adam-family state dict: param_groups[0] has no 'betas'"),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1), lambda ps: mfa.Lion(ps), "not a Lion state dict: param_groups[0] has no 'betas'"),
+])
+def test_another_rules_state_dict_is_rejected_and_nothing_changes(source, target, message):
+    """Each rule's load_state_dict takes only its own family's state dicts, names what it found,
+    and changes nothing."""
+    model = torch.nn.Linear(3, 2)
+    src = source(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    src.step()
+    ours = target(model.parameters())
+    before = copy.deepcopy(ours.state_dict())
+    with pytest.raises(ValueError) as err:
+        ours.load_state_dict(copy.deepcopy(src.state_dict()))
+    assert message in str(err.value), str(err.value)
+    after = ours.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    assert set(after["state"]) == set(before["state"])
+    for k, st in before["state"].items():
+        assert all(torch.equal(v, after["state"][k][n]) if isinstance(v, torch.Tensor) else v == after["state"][k][n]
+                   for n, v in st.items())

@@ -40,6 +40,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     # The update rule (contract.RULES) every step of this class runs.
     _rule = "adam"
+    # What a state dict this class loads looks like (load_state_dict rejects any other).
+    _state_dict_kind = validate.ADAM_STATE_DICT
     # A subclass restricted to one device type (CPUAdam) sets this.
     _device_type: Optional[str] = None
 
@@ -102,7 +104,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         ``step`` as a Python int. A state dict of another optimizer (SGD's, say) or with moments
         of the wrong shape is rejected before anything is loaded.
         """
-        validate.check_adam_state_dict(state_dict, self.param_groups)
+        validate.check_state_dict(state_dict, self.param_groups, self._state_dict_kind)
         _optimizer_method("load_state_dict")(self, state_dict)
         saved_state = state_dict["state"]
         for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
@@ -392,6 +394,7 @@ class Lion(_FusedOptimizer):
     """
 
     _rule = "lion"
+    _state_dict_kind = validate.StateDictKind("Lion", ("betas",), ("eps", "lr_decay"), ("exp_avg",))
 
     def __init__(self, params: _Params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0, use_triton: bool = False, decoupled_weight_decay: bool = False) -> None:
@@ -442,6 +445,7 @@ class Adagrad(_FusedOptimizer):
     """
 
     _rule = "adagrad"
+    _state_dict_kind = validate.StateDictKind("Adagrad", ("lr_decay", "eps"), ("betas",), ("sum",))
 
     def __init__(self, params: _Params, lr: float | torch.Tensor = 1e-2, lr_decay: float = 0,
                  weight_decay: float = 0, initial_accumulator_value: float = 0, eps: float = 1e-10,

@@ -1,7 +1,7 @@
 """Checks run on a whole step before any tensor is written, so a rejected step changes nothing."""
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, NamedTuple
 
 import torch
 
@@ -113,24 +113,38 @@ def check_state(p: torch.Tensor, state: Mapping[str, Any], name: str, state_dtyp
 
 # What marks a state dict as Adam's: every group has these hyperparameters (torch.optim.Adam/AdamW,
 # ours, DeepSpeed's FusedAdam and DeepSpeedCPUAdam all do; SGD, Adagrad, RMSprop... do not).
-_ADAM_GROUP_KEYS = ("betas", "eps")
-_MOMENTS = ("exp_avg", "exp_avg_sq")
+class StateDictKind(NamedTuple):
+    """What a state dict of one optimizer family looks like: the group hyperparameters it must
+    have, those it must not have (another family's), and its per-parameter state tensors."""
+
+    family: str
+    required: tuple[str, ...]
+    foreign: tuple[str, ...]
+    states: tuple[str, ...]
 
 
-def check_adam_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict[str, Any]]) -> None:
-    """Reject, before anything is loaded, a state dict that is not an Adam-family optimizer's
-    or whose moments do not fit this optimizer's parameters. Structural mismatches (group or
-    parameter counts) are left to torch's own checks, which follow."""
+ADAM_STATE_DICT = StateDictKind("Adam-family", ("betas", "eps"), ("lr_decay",), ("exp_avg", "exp_avg_sq"))
+
+
+def check_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict[str, Any]],
+                     kind: StateDictKind = ADAM_STATE_DICT) -> None:
+    """Reject, before anything is loaded, a state dict that is not of this optimizer's family
+    (``kind``) or whose state tensors do not fit this optimizer's parameters. Structural
+    mismatches (group or parameter counts) are left to torch's own checks, which follow."""
     if not isinstance(state_dict, Mapping) or "param_groups" not in state_dict or "state" not in state_dict:
         found = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
         raise ValueError(f"not an optimizer state dict: expected keys 'state' and 'param_groups', found {found}")
     saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+    a = "an" if kind.family[0] in "AEIOU" else "a"
     for gi, saved in enumerate(saved_groups):
-        missing = [k for k in _ADAM_GROUP_KEYS if k not in saved]
-        if missing:
+        missing = [k for k in kind.required if k not in saved]
+        foreign = [k for k in kind.foreign if k in saved]
+        if missing or foreign:
             keys = sorted(k for k in saved if k != "params")
-            raise ValueError(f"not an Adam-family state dict: param_groups[{gi}] has no {' or '.join(map(repr, missing))} "
-                             f"(its hyperparameters are {keys}); expected one saved by an Adam/AdamW optimizer")
+            what = (f"has no {' or '.join(map(repr, missing))}" if missing
+                    else f"has {' and '.join(map(repr, foreign))}")
+            raise ValueError(f"not {a} {kind.family} state dict: param_groups[{gi}] {what} (its hyperparameters "
+                             f"are {keys}); expected one saved by {a} {kind.family} optimizer")
         if saved.get("amsgrad"):
             raise ValueError(f"param_groups[{gi}] of the state dict has amsgrad=True, which mps_fused_adam does not "
                              "implement (use torch.optim.Adam/AdamW with amsgrad)")
@@ -145,10 +159,10 @@ def check_adam_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict
             if not st:
                 continue
             name = names[pi] if names else f"param_groups[{gi}]['params'][{pi}]"
-            if not all(isinstance(st.get(k), torch.Tensor) for k in _MOMENTS):
-                raise ValueError(f"not an Adam-family state dict: the state of {describe(p, name)} has keys "
-                                 f"{sorted(st)}; expected tensors 'exp_avg' and 'exp_avg_sq'")
-            for k in _MOMENTS:
+            if not all(isinstance(st.get(k), torch.Tensor) for k in kind.states):
+                raise ValueError(f"not {a} {kind.family} state dict: the state of {describe(p, name)} has keys "
+                                 f"{sorted(st)}; expected tensors {' and '.join(map(repr, kind.states))}")
+            for k in kind.states:
                 if st[k].shape != p.shape:
                     raise ValueError(f"{describe(p, name)}: the state dict's '{k}' has shape {tuple(st[k].shape)}; "
                                      f"expected {tuple(p.shape)}")
