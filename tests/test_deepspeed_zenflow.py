@@ -218,6 +218,7 @@ PIN_SCRIPT = textwrap.dedent("""
                     out[int(tid)] = line.split(":")[1].strip()
         return out
 
+    _cpu.use_torch_openmp(False)  # our own pool, as ZenFlow's worker uses it (run_worker)
     torch.set_num_threads(3)
     n = 3 * 65536  # enough elements for 3 pool threads
     ts = [torch.randn(n) for _ in range(4)]

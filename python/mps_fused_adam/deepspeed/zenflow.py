@@ -152,9 +152,12 @@ class ZenFlowAdam:
         ctrl = int(ctrl)
         threads_before = torch.get_num_threads()
         cores_before = cpu.thread_cores()
+        borrowed = cpu.thread_pool() != "own"
         if self.affinity:
             # One pool thread per core of ZenFlow's list, this thread on the first, as DeepSpeed's
-            # pinned pool; torch's thread count sizes our pool (backends.CPUBackend).
+            # pinned pool; torch's thread count sizes our pool (backends.CPUBackend). Steps run on
+            # our own pool here, not on torch's OpenMP threads, which we do not pin.
+            cpu.use_torch_openmp(False)
             cpu.pin_pool(self.affinity, True)
             torch.set_num_threads(len(self.affinity))
         backend = get_backend("cpu").name
@@ -180,6 +183,7 @@ class ZenFlowAdam:
             torch.set_num_threads(threads_before)
             if self.affinity and cores_before:
                 cpu.pin_pool(cores_before, False)
+            cpu.use_torch_openmp(borrowed)
 
 
 # --- Making the spawned optimizer process run install() ------------------------------------------
