@@ -8,10 +8,13 @@ processes over gloo, train 8 steps in subprocesses with no compiler and no ninja
 * DeepSpeed built ``ZenFlowZeroOptimizerParallel``, its op is our facade, and our optimizer
   process ran every step on the ``cpu`` backend (it records that in the control block), then
   exited on ``zenflow_adam_ctrl_exit``; nothing was JIT-built (also not in the spawned process);
-* with ``MFA_DS_CPU_ADAM_SO`` naming DeepSpeed's own JIT-built cpu_adam (.ci builds it, as for
-  test_deepspeed_ops.py's cross-check), the loss trajectory equals that of the same run on
-  DeepSpeed's own native ZenFlow, within the ZeRO tests' tolerances (fp32 1e-5, bf16 2e-3
-  relative; see test_deepspeed_zero.py), which the half-learning-rate control must exceed.
+* on request (``MFA_ZENFLOW_COMPARE=1``, with ``MFA_DS_CPU_ADAM_SO`` naming DeepSpeed's own
+  JIT-built cpu_adam), the loss trajectory equals that of the same run on DeepSpeed's own native
+  ZenFlow, within the ZeRO tests' tolerances (fp32 1e-5, bf16 2e-3 relative; see
+  test_deepspeed_zero.py), which the half-learning-rate control must exceed. Not in CI: the
+  overlapped step races by DeepSpeed's design (below), so this holds on an idle machine only. The
+  step itself is checked deterministically, bit for bit against ``adam_update``, in
+  test_deepspeed_zenflow.py.
 
 ZeRO stage 3 with ZenFlow is not run: DeepSpeed 0.19.8's ZenFlow stage 3 allocates on CUDA
 unconditionally (``engine_stage3.update_selected_channels``: ``device='cuda'``), with any kernel.
@@ -60,10 +63,15 @@ def _run(tmp, kernel: str, world_size: int, args: list) -> list:
 
 
 def _reference_so() -> str | None:
+    """DeepSpeed's own cpu_adam, only when the timing-dependent comparison is asked for
+    (MFA_ZENFLOW_COMPARE=1): ZenFlow's overlapped step races with the training process's writes
+    by design, so two identical runs agree only on an idle machine (seen here: 1.4e-7 idle,
+    8.5e-3 on a loaded CI machine, with DeepSpeed's kernels on both sides of the race)."""
+    if os.environ.get("MFA_ZENFLOW_COMPARE") != "1":
+        return None
     so = os.environ.get("MFA_DS_CPU_ADAM_SO")
-    if not so and os.environ.get("MFA_REQUIRE_DEEPSPEED"):
-        pytest.fail("MFA_DS_CPU_ADAM_SO is not set (MFA_REQUIRE_DEEPSPEED is): the ZenFlow comparison needs "
-                    "DeepSpeed's own JIT-built cpu_adam")
+    if not so:
+        pytest.fail("MFA_ZENFLOW_COMPARE=1 needs MFA_DS_CPU_ADAM_SO: DeepSpeed's own JIT-built cpu_adam")
     return so
 
 
@@ -103,7 +111,8 @@ def test_zenflow_runs_our_kernel_in_its_optimizer_process(runs, world_size):
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_zenflow_matches_deepspeeds_own_native_zenflow(runs, world_size):
     if ("deepspeed", world_size) not in runs:
-        pytest.skip("comparison with DeepSpeed's own native ZenFlow: set MFA_DS_CPU_ADAM_SO to its JIT-built cpu_adam")
+        pytest.skip("comparison with DeepSpeed's own native ZenFlow (timing-dependent, for an idle machine): "
+                    "set MFA_ZENFLOW_COMPARE=1 and MFA_DS_CPU_ADAM_SO to its JIT-built cpu_adam")
     ours, ref = _compared(runs[("ours", world_size)]), _compared(runs[("deepspeed", world_size)])
     assert len(ours) == len(ref)
     controls = {}
