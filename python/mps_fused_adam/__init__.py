@@ -3,5 +3,6 @@ SIMD C++ CPU Adam, with no compiler or JIT build on the user's machine."""
 from ._version import __version__
 from .backends import backend_info
 from .optim import Adam, AdamW, CPUAdam, FusedAdam
+from .optim8bit import Adam8bit, AdamW8bit
 
-__all__ = ["Adam", "AdamW", "CPUAdam", "FusedAdam", "backend_info", "__version__"]
+__all__ = ["Adam", "AdamW", "Adam8bit", "AdamW8bit", "CPUAdam", "FusedAdam", "backend_info", "__version__"]
