@@ -3,9 +3,10 @@
 - :func:`build_emulator` compiles ``metal/fused_adam.metal`` as C++ (through ``metal_compat.h``)
   together with ``metal_emulator.cpp`` and loads it with ctypes: :class:`Emulator`.
 - :class:`FakeMetalExt` has the call surface of the ``_metal`` extension (src/metal/metal_adam.mm):
-  ``load(metallib_path)`` and ``adam_step(params, grads, exp_avgs, exp_avg_sqs, param_code, state_code,
-  hyper_bytes)`` with ``(buffer handle, byte offset, numel)`` triples; on CPU tensors the handle is
-  the host address, so it runs the emulator where the real one encodes a Metal dispatch.
+  ``load(metallib_path, kernel_names)`` and ``step(kernel_name, tensors, scalars)``, ``tensors``
+  being ``[params, grads, state lists...]`` of ``(buffer handle, byte offset, numel)`` triples; on
+  CPU tensors the handle is the host address, so it runs the emulator where the real one encodes
+  a Metal dispatch.
 - :class:`FakeMpsApi` has ``load_metallib`` and ``compile_shader`` returning a :class:`FakeLibrary`
   whose kernels bind positional arguments the way torch's ``_mps_MetalKernel.__call__`` does
   (torch/csrc/mps/Module.cpp: tensor -> buffer at its storage offset, int -> int64, float -> fp32,
@@ -33,7 +34,6 @@ METAL_SOURCE = REPO / "metal" / "fused_adam.metal"
 CXXFLAGS = ["-std=c++17", "-ffp-contract=off", "-fno-strict-aliasing", "-fPIC", "-Wall", "-Wextra"]
 
 _DTYPE_BY_NAME = {"float": torch.float32, "half": torch.float16, "bfloat": torch.bfloat16}
-_NAME_BY_CODE = {0: "float", 1: "half", 2: "bfloat"}  # the _metal extension's dtype codes
 
 
 def find_compiler() -> str:
@@ -51,7 +51,9 @@ def host_names(source: str, metal_version: int = 310) -> list[str]:
          "-DFUSED_ADAM_HOST_EMULATOR", "-"], input=source, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"preprocessing the kernel source failed:\n{proc.stderr}")
-    return re.findall(r'\[\[\s*host_name\(\s*"([A-Za-z0-9_]+)"\s*\)\s*\]\]', proc.stdout)
+    # Adjacent string literals ("fused_" "adam" ...) are one literal (C++ translation phase 6).
+    found = re.findall(r'\[\[\s*host_name\(\s*((?:"[A-Za-z0-9_]*"\s*)+)\)\s*\]\]', proc.stdout)
+    return ["".join(re.findall(r'"([A-Za-z0-9_]*)"', lit)) for lit in found]
 
 
 def compile_emulator(source_text: str, out_dir: Path, coverage: bool = False) -> Path:
@@ -77,32 +79,39 @@ class Emulator:
         self.source = source_text
         lib = self.lib = ctypes.CDLL(str(lib_path))
         lib.emu_params_size.restype = ctypes.c_uint64
+        lib.emu_params_size.argtypes = [ctypes.c_char_p]
+        lib.emu_buffer_count.restype = ctypes.c_int
+        lib.emu_buffer_count.argtypes = [ctypes.c_char_p]
         lib.emu_kernel_count.restype = ctypes.c_int
         lib.emu_kernel_name.restype = ctypes.c_char_p
         lib.emu_kernel_name.argtypes = [ctypes.c_int]
         u64, vp = ctypes.c_uint64, ctypes.c_void_p
         lib.emu_dispatch.restype = ctypes.c_int
-        lib.emu_dispatch.argtypes = [ctypes.c_char_p, vp, vp, vp, vp, ctypes.c_char_p, u64, u64, u64,
-                                     u64, u64, ctypes.c_int]
+        lib.emu_dispatch.argtypes = [ctypes.c_char_p, ctypes.POINTER(vp), ctypes.c_int, ctypes.c_char_p, u64,
+                                     u64, u64, u64, u64, ctypes.c_int]
         for fn in (lib.emu_round_half, lib.emu_round_bfloat):
             fn.argtypes = [vp, vp, u64]
-        self.params_size = int(lib.emu_params_size())
         self.kernel_names = [lib.emu_kernel_name(k).decode() for k in range(lib.emu_kernel_count())]
+        # Per kernel: bytes of its rule's Params struct and its buffer count (param, grad, states).
+        self.params_size = {k: int(lib.emu_params_size(k.encode())) for k in self.kernel_names}
+        self.buffer_count = {k: int(lib.emu_buffer_count(k.encode())) for k in self.kernel_names}
         self.dispatches: list[dict] = []  # every dispatch, for the tests to inspect
 
-    def dispatch(self, name: str, addrs: tuple[int, int, int, int], hyper: bytes, base: int, n: int,
+    def dispatch(self, name: str, addrs: tuple[int, ...], hyper: bytes, base: int, n: int,
                  threads: int, group: int, reverse: bool = False) -> None:
+        """One dispatch of kernel ``name`` over buffers ``addrs`` (param, grad, states)."""
         self.dispatches.append(dict(name=name, base=base, n=n, threads=threads, group=group,
-                                    hyper=bytes(hyper), addrs=addrs))
-        rc = self.lib.emu_dispatch(name.encode(), *addrs, bytes(hyper), len(hyper), base, n,
+                                    hyper=bytes(hyper), addrs=tuple(addrs)))
+        arr = (ctypes.c_void_p * len(addrs))(*addrs)
+        rc = self.lib.emu_dispatch(name.encode(), arr, len(addrs), bytes(hyper), len(hyper), base, n,
                                    threads, group, int(reverse))
         if rc != 0:
             raise RuntimeError(f"emulated dispatch of {name} refused (code {rc})")
 
     def run_tensors(self, p, g, m, v, hyper: bytes, *, base: int = 0, threads: int | None = None,
-                    group: int = 256, reverse: bool = False, n: int | None = None) -> None:
-        """One dispatch over CPU tensors with the kernel their dtypes select."""
-        name = f"fused_adam_{_short(p.dtype)}_{_short(m.dtype)}"
+                    group: int = 256, reverse: bool = False, n: int | None = None, rule: str = "adam") -> None:
+        """One dispatch over CPU tensors (param, grad, two states) with the kernel their dtypes select."""
+        name = f"fused_{rule}_{_short(p.dtype)}_{_short(m.dtype)}"
         n = p.numel() if n is None else n
         if threads is None:
             threads = -(-(n - base) // 4)
@@ -135,8 +144,9 @@ def build_emulator(source_text: str | None = None) -> Emulator:
 class FakeMetalExt:
     """The ``_metal`` extension's Python surface, dispatching through the emulator.
 
-    Mirrors metal_adam.mm: dtype codes pick ``fused_adam_<P>_<S>``, each tensor is split into
-    dispatches of at most ``max_threads`` threads by advancing ``base``, threadgroups of 256.
+    Mirrors metal_adam.mm: ``load`` checks that every named kernel exists; ``step`` runs the named
+    kernel over each parameter, split into dispatches of at most ``max_threads`` threads by
+    advancing ``base``, threadgroups of 256. It knows no rule: names, tensor lists and bytes.
     """
 
     def __init__(self, emulator: Emulator, max_threads: int = 1 << 30) -> None:
@@ -145,26 +155,34 @@ class FakeMetalExt:
         self.loaded: list[str] = []
         self.calls: list[tuple] = []
 
-    def load(self, path: str) -> None:
-        if not Path(path).is_file():
-            raise RuntimeError(f"cannot load {path}")
-        self.loaded.append(path)
+    def load(self, metallib_path: str, kernel_names: list[str]) -> None:
+        if not Path(metallib_path).is_file():
+            raise RuntimeError(f"cannot load {metallib_path}")
+        missing = sorted(set(kernel_names) - set(self.emu.kernel_names))
+        if missing:
+            raise RuntimeError(f"{metallib_path} has no kernel {missing[0]}")
+        self.loaded.append(metallib_path)
 
-    def adam_step(self, params, grads, exp_avgs, exp_avg_sqs, param_code: int, state_code: int,
-                  hyper: bytes) -> None:
-        self.calls.append((params, grads, exp_avgs, exp_avg_sqs, param_code, state_code, hyper))
-        if len(hyper) != self.emu.params_size:
-            raise ValueError(f"hyper is {len(hyper)} bytes, AdamParams is {self.emu.params_size}")
-        name = f"fused_adam_{_NAME_BY_CODE[param_code]}_{_NAME_BY_CODE[state_code]}"
-        for quad in zip(params, grads, exp_avgs, exp_avg_sqs):
-            n = quad[0][2]
-            if any(t[2] != n for t in quad):
+    def step(self, kernel_name: str, tensors: list, scalars: bytes) -> None:
+        self.calls.append((kernel_name, tensors, scalars))
+        if not self.loaded or kernel_name not in self.emu.kernel_names:
+            raise ValueError(f"no kernel {kernel_name} was loaded")
+        if len(tensors) != self.emu.buffer_count[kernel_name]:
+            raise ValueError(f"{kernel_name} takes {self.emu.buffer_count[kernel_name]} tensor lists, got {len(tensors)}")
+        if len(scalars) != self.emu.params_size[kernel_name]:
+            raise ValueError(f"scalars are {len(scalars)} bytes, {kernel_name}'s struct is "
+                             f"{self.emu.params_size[kernel_name]}")
+        if any(len(lst) != len(tensors[0]) for lst in tensors):
+            raise ValueError("tensor lists differ in length")
+        for refs in zip(*tensors):
+            n = refs[0][2]
+            if any(t[2] != n for t in refs):
                 raise ValueError("tensor sizes differ within one parameter")
-            addrs = tuple(handle + offset for handle, offset, _ in quad)
+            addrs = tuple(handle + offset for handle, offset, _ in refs)
             step = self.max_threads * 4
             for base in range(0, n, step):
                 threads = -(-min(step, n - base) // 4)
-                self.emu.dispatch(name, addrs, hyper, base, n, threads, min(256, threads))
+                self.emu.dispatch(kernel_name, addrs, scalars, base, n, threads, min(256, threads))
 
 
 class FakeKernel:
@@ -178,7 +196,7 @@ class FakeKernel:
 
     def __call__(self, *args, threads=None, group_size=None, arg_casts=None, error_buf_idx=None):
         if arg_casts is not None or error_buf_idx is not None:
-            raise NotImplementedError("the Adam kernels need neither arg_casts nor an error buffer")
+            raise NotImplementedError("the kernels need neither arg_casts nor an error buffer")
         bound: dict[int, object] = {}
         for idx, a in enumerate(args):
             if isinstance(a, torch.Tensor):
@@ -203,16 +221,17 @@ class FakeKernel:
         group = None if group_size is None else ([group_size] if isinstance(group_size, int) else list(group_size))
         if group is not None and len(group) != len(threads):
             raise RuntimeError("threads and group_size differ in dimension")
-        if len(threads) != 1 or sorted(bound) != list(range(7)):
-            raise RuntimeError(f"{self.name} takes 7 arguments over a 1-D grid")
-        if any(not isinstance(bound[i], int) for i in range(4)):
-            raise TypeError("buffers 0-3 must be tensors")
-        base_b, n_b = bound[5], bound[6]
+        k = self.emu.buffer_count[self.name]  # param, grad and the rule's states
+        if len(threads) != 1 or sorted(bound) != list(range(k + 3)):
+            raise RuntimeError(f"{self.name} takes {k + 3} arguments over a 1-D grid")
+        if any(not isinstance(bound[i], int) for i in range(k)):
+            raise TypeError(f"buffers 0-{k - 1} must be tensors")
+        base_b, n_b = bound[k + 1], bound[k + 2]
         if len(base_b) != 8 or len(n_b) != 8:
             raise TypeError("base and n must be 64-bit (Python ints)")
         # torch's dispatch without a group size uses the pipeline's maximum.
         grp = group[0] if group is not None else self.max_threads_per_threadgroup
-        self.emu.dispatch(self.name, tuple(bound[i] for i in range(4)), bound[4],
+        self.emu.dispatch(self.name, tuple(bound[i] for i in range(k)), bound[k],
                           struct.unpack("<Q", base_b)[0], struct.unpack("<Q", n_b)[0], threads[0], grp)
 
 

@@ -1,7 +1,7 @@
 // Lets g++ compile metal/fused_adam.metal as C++17, so the tests run the shipped kernel source on
 // the CPU (the "host emulator"). Only what that file uses is provided; nothing here claims to be
 // Metal's semantics beyond: IEEE fp32 arithmetic without contraction (build with
-// -ffp-contract=off), correctly rounded sqrt, and round-to-nearest-even conversions to half and
+// -ffp-contract=off), correctly rounded sqrt and division (metal::precise), and round-to-nearest-even conversions to half and
 // bfloat (Metal's default rounding mode for float -> half/bfloat).
 #pragma once
 
@@ -68,6 +68,11 @@ struct vec4 {
       e[k] = static_cast<T>(static_cast<float>(o.e[k]));
     }
   }
+  explicit vec4(T x) {  // splat, as float4(0.0f)
+    for (int k = 0; k < 4; ++k) {
+      e[k] = x;
+    }
+  }
   T& operator[](unsigned k) { return e[k]; }
   const T& operator[](unsigned k) const { return e[k]; }
 };
@@ -83,5 +88,10 @@ typedef vec4<bfloat> packed_bfloat4;
 namespace metal {
 // Correctly rounded, as IEEE requires of sqrt (and as Metal's precise sqrt is meant to be).
 inline float sqrt(float x) { return std::sqrt(x); }
+namespace precise {
+// metal::precise:: forms: correctly rounded sqrt and division, whatever the math mode.
+inline float sqrt(float x) { return std::sqrt(x); }
+inline float divide(float x, float y) { return x / y; }
+}  // namespace precise
 }  // namespace metal
 using namespace metal;

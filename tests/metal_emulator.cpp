@@ -8,12 +8,20 @@
 
 namespace {
 
-typedef void (*GridRunner)(void*, const void*, void*, void*, const AdamParams&, ulong, ulong,
-                           uint64_t, uint64_t, int);
+// buffers: param, grad, then the rule's states.
+typedef void (*GridRunner)(void* const* buffers, const void* hp, ulong base, ulong n, uint64_t threads,
+                           uint64_t group, int reverse);
 
-template <typename P, typename S>
-void run_grid(void* param, const void* grad, void* exp_avg, void* exp_avg_sq, const AdamParams& hp,
-              ulong base, ulong n, uint64_t threads, uint64_t group, int reverse) {
+// The kernel of the two-state shape, as the GPU would launch it.
+template <typename Rule, typename P, typename S>
+void launch_fused_step_2(void* const* b, const void* hp, ulong base, ulong n, uint gid) {
+  fused_step_2<Rule, P, S>(static_cast<P*>(b[0]), static_cast<const P*>(b[1]), static_cast<S*>(b[2]),
+                           static_cast<S*>(b[3]), *static_cast<const typename Rule::Params*>(hp), base, n, gid);
+}
+
+template <void (*Launch)(void* const*, const void*, ulong, ulong, uint)>
+void run_grid(void* const* buffers, const void* hp, ulong base, ulong n, uint64_t threads, uint64_t group,
+              int reverse) {
   // Threads of one dispatch are independent on a GPU; running the groups (and the threads in
   // them) backwards in some tests shows the results do not depend on an order.
   const uint64_t groups = (threads + group - 1) / group;
@@ -25,9 +33,7 @@ void run_grid(void* param, const void* grad, void* exp_avg, void* exp_avg_sq, co
       if (gid >= threads) {
         continue;
       }
-      fused_adam<P, S>(static_cast<P*>(param), static_cast<const P*>(grad),
-                       static_cast<S*>(exp_avg), static_cast<S*>(exp_avg_sq), hp, base, n,
-                       static_cast<uint>(gid));
+      Launch(buffers, hp, base, n, static_cast<uint>(gid));
     }
   }
 }
@@ -35,15 +41,24 @@ void run_grid(void* param, const void* grad, void* exp_avg, void* exp_avg_sq, co
 struct Entry {
   const char* name;  // the [[host_name]] of the kernel in fused_adam.metal
   GridRunner run;
+  uint64_t params_size;  // bytes of the rule's Params struct
+  int buffers;           // param, grad and the states
 };
 
-const Entry kKernels[] = {
-    {"fused_adam_float_float", run_grid<float, float>},
-    {"fused_adam_half_float", run_grid<half, float>},
-    {"fused_adam_half_half", run_grid<half, half>},
-    {"fused_adam_bfloat_float", run_grid<bfloat, float>},
-    {"fused_adam_bfloat_bfloat", run_grid<bfloat, bfloat>},
-};
+// Expanded from the kernel source's own instantiation lists, so the emulator has exactly its kernels.
+#define EMU_ENTRY(SHAPE, RULE, NAME, P, S)                                                   \
+  {"fused_" #NAME "_" #P "_" #S, run_grid<launch_##SHAPE<RULE, P, S>>, sizeof(RULE::Params), \
+   2 + static_cast<int>(RULE::kStates)},
+const Entry kKernels[] = {FUSED_KERNELS(EMU_ENTRY) FUSED_KERNELS_BFLOAT(EMU_ENTRY)};
+
+const Entry* find(const char* name) {
+  for (const Entry& e : kKernels) {
+    if (std::strcmp(e.name, name) == 0) {
+      return &e;
+    }
+  }
+  return nullptr;
+}
 
 }  // namespace
 
@@ -53,33 +68,44 @@ extern "C" void __gcov_dump(void);
 
 extern "C" {
 
-uint64_t emu_params_size(void) { return sizeof(AdamParams); }
-
 int emu_kernel_count(void) { return static_cast<int>(sizeof kKernels / sizeof kKernels[0]); }
 
 const char* emu_kernel_name(int k) { return kKernels[k].name; }
 
+// Bytes of kernel `name`'s parameter struct and its buffer count (param, grad, states); 0 if unknown.
+uint64_t emu_params_size(const char* name) {
+  const Entry* e = find(name);
+  return e ? e->params_size : 0;
+}
+
+int emu_buffer_count(const char* name) {
+  const Entry* e = find(name);
+  return e ? e->buffers : 0;
+}
+
 // One dispatch. Returns 0, or a negative code for what a Metal dispatch would refuse:
 // -1 unknown kernel, -2 parameter bytes shorter than the struct, -3 a grid or threadgroup size
-// Metal cannot express (0 threads per group, or more than 2^32 threads in a 1-D grid).
-int emu_dispatch(const char* name, void* param, const void* grad, void* exp_avg, void* exp_avg_sq,
-                 const void* hp_bytes, uint64_t hp_len, uint64_t base, uint64_t n,
-                 uint64_t threads, uint64_t group, int reverse) {
-  if (hp_len < sizeof(AdamParams)) {
+// Metal cannot express (0 threads per group, or more than 2^32 threads in a 1-D grid), -4 a
+// buffer count other than the kernel's.
+int emu_dispatch(const char* name, void* const* buffers, int nbuffers, const void* hp_bytes,
+                 uint64_t hp_len, uint64_t base, uint64_t n, uint64_t threads, uint64_t group, int reverse) {
+  const Entry* e = find(name);
+  if (e == nullptr) {
+    return -1;
+  }
+  if (hp_len < e->params_size) {
     return -2;
   }
   if (group == 0 || threads > (uint64_t(1) << 32)) {
     return -3;
   }
-  AdamParams hp;
-  std::memcpy(&hp, hp_bytes, sizeof hp);
-  for (const Entry& e : kKernels) {
-    if (std::strcmp(e.name, name) == 0) {
-      e.run(param, grad, exp_avg, exp_avg_sq, hp, base, n, threads, group, reverse);
-      return 0;
-    }
+  if (nbuffers != e->buffers) {
+    return -4;
   }
-  return -1;
+  alignas(16) unsigned char hp[256];
+  std::memcpy(hp, hp_bytes, e->params_size);
+  e->run(buffers, hp, base, n, threads, group, reverse);
+  return 0;
 }
 
 // The header's conversions, so a test can hold them against torch's own rounding.

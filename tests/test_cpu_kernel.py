@@ -7,7 +7,7 @@ import torch
 
 from mps_fused_adam import _cpu
 from mps_fused_adam.backends import CPUBackend
-from mps_fused_adam.contract import AdamHyper
+from mps_fused_adam.contract import RULES, AdamHyper
 from mps_fused_adam.reference import reference_adam_
 
 from conftest import DTYPE_PAIRS, pair_id
@@ -35,7 +35,7 @@ def run_both(tensors, steps, **hp_kwargs):
     backend = CPUBackend()
     for step in range(1, steps + 1):
         hp = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05, step=step, **hp_kwargs)
-        backend.update(*[[t] for t in ours], hp)
+        backend.update("adam", [ours[0]], [ours[1]], [[ours[2]], [ours[3]]], hp)
         reference_adam_(*ref, hp)
     return ours, ref
 
@@ -78,7 +78,7 @@ def test_simd_paths_agree_bitwise(pair):
             _cpu.set_simd_path(path)
             out = [t.clone() for t in (p, g, m, v)]
             for step in (1, 2):
-                CPUBackend().update(*[[t] for t in out], AdamHyper(1e-3, 0.9, 0.99, 1e-6, 0.1, step))
+                CPUBackend().update("adam", [out[0]], [out[1]], [[out[2]], [out[3]]], AdamHyper(1e-3, 0.9, 0.99, 1e-6, 0.1, step))
             results[path] = out
     finally:
         _cpu.set_simd_path(before)
@@ -98,7 +98,7 @@ def test_many_tensors_one_call_and_threads():
     old = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        CPUBackend().update([t[0] for t in ours], [t[1] for t in ours], [t[2] for t in ours], [t[3] for t in ours], hp)
+        CPUBackend().update("adam", [t[0] for t in ours], [t[1] for t in ours], [[t[2] for t in ours], [t[3] for t in ours]], hp)
     finally:
         torch.set_num_threads(old)
     for ts, out in zip(tensors, ours):
@@ -115,7 +115,7 @@ def test_thread_count_follows_torch():
             p, g, m, v = make_tensors(1 << 20, torch.float32, torch.float32)
             ref = [t.clone() for t in (p, g, m, v)]
             hp = AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 1)
-            CPUBackend().update([p], [g], [m], [v], hp)
+            CPUBackend().update("adam", [p], [g], [[m], [v]], hp)
             reference_adam_(*ref, hp)
             assert torch.equal(p, ref[0])
             assert _cpu.pool_size() >= threads
@@ -128,9 +128,21 @@ def test_set_simd_path_rejects_unknown():
         _cpu.set_simd_path("sse9")
 
 
-def test_bad_dtype_codes_rejected():
+def test_bad_arguments_rejected():
+    blob = RULES["adam"].pack(AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 1))
     with pytest.raises(ValueError, match="states are float32 or the param dtype"):
-        _cpu.adam_step([], [], [], [], [], 0, 2, *([0.0] * 9), 1, 0, 1)
+        _cpu.step("adam", [], [], [[], []], [], 0, 2, blob, 1)
+    with pytest.raises(ValueError, match="unknown update rule 'lion'; the CPU kernel has: adam, floor"):
+        _cpu.step("lion", [], [], [[], []], [], 0, 0, blob, 1)
+    with pytest.raises(ValueError, match="rule 'adam' has 2 states; got 1 state lists"):
+        _cpu.step("adam", [], [], [[]], [], 0, 0, blob, 1)
+    with pytest.raises(ValueError, match="44-byte scalar struct; got 40 bytes"):
+        _cpu.step("adam", [], [], [[], []], [], 0, 0, blob[:40], 1)
+
+
+def test_every_rule_has_a_cpu_kernel():
+    """contract.RULES and the C++ rule list (adam_types.h) name the same rules (plus the floor)."""
+    assert sorted(_cpu.rules()) == sorted([*RULES, "floor"])
 
 
 def test_simd_env_override_and_warning(tmp_path):

@@ -185,29 +185,23 @@ def test_adam_update_same_step_repeats_bit_for_bit(cpu_op):
         assert torch.equal(a, b)
 
 
-def _ds_rollback_numpy(p, g, m, v, lr, b1, b2, eps, wd, step):
-    """DeepSpeed 0.19.8's adamw_rollback_inplace (csrc/adam/cpu_adam_impl.cpp), transliterated to
-    numpy float32 in the C++ evaluation order, fed with the fp32 scalars our update used
-    (contract.kernel_scalars) so that it inverts our step rather than DeepSpeed's own rounding."""
-    from mps_fused_adam.contract import kernel_scalars
-    k = kernel_scalars(AdamHyper(lr, b1, b2, eps, wd, step))
+def _rollback_numpy(p, g, m, v, lr, b1, b2, eps, wd, step):
+    """The AdamW rollback DeepSpeed defines (the algebraic inverse of the step from the updated
+    moments, csrc/adam/cpu_adam_impl.cpp's adamw_rollback_inplace), written for the step of
+    contract v2 in numpy float32, with the fp32 scalars our update used (contract.adam_scalars)."""
+    from mps_fused_adam.contract import adam_scalars
+    k = adam_scalars(AdamHyper(lr, b1, b2, eps, wd, step))
     f = np.float32
     p, g, m, v = (t.numpy().astype(np.float32, copy=True) for t in (p, g, m, v))
-    lr, b1, b2, eps, wd = f(k.lr), f(k.beta1), f(k.beta2), f(k.eps), f(k.weight_decay)
-    one_minus_lr_lambda = f(1) - lr * wd
-    bc1, bc2 = f(k.bc1), f(k.bc2)
-    m_hat = m / bc1
-    v_hat = v / bc2
-    denom = np.sqrt(v_hat) + eps
-    update = lr * m_hat / denom
-    new_p = (p + update) / one_minus_lr_lambda
+    denom = np.sqrt(v) * f(k.d2) + f(k.eps)
+    new_p = (p + f(k.step_size) * (m / denom)) / f(k.decay)
     new_p[~np.isfinite(new_p)] = 0
-    m = (m - f(k.one_minus_beta1) * g) / b1
-    v = (v - f(k.one_minus_beta2) * g * g) / b2
+    m = (m - f(k.one_minus_beta1) * g) / f(k.beta1)
+    v = (v - f(k.one_minus_beta2) * (g * g)) / f(k.beta2)
     return new_p, m, v
 
 
-def test_adam_rollback_is_deepspeeds_formula_and_restores(cpu_op):
+def test_adam_rollback_inverts_the_contract_step_and_restores(cpu_op):
     cpu_op.create_adam(2, 1e-3, 0.9, 0.999, 1e-8, 0.01, True, False)
     p, g, m, v = _state(5000, torch.float32, torch.float32, seed=8)
     v.add_(1e-4)  # keep v well above rounding noise so the inversion is well conditioned
@@ -217,10 +211,10 @@ def test_adam_rollback_is_deepspeeds_formula_and_restores(cpu_op):
     g3 = torch.randn(5000)
     cpu_op.adam_update(2, 3, 1e-3, 0.9, 0.999, 1e-8, 0.01, True, p, g3, m, v)
     assert (p - before[0]).abs().max() > 1e-4  # the step moved the params, so restoring them means something
-    expected = _ds_rollback_numpy(p, g3, m, v, 1e-3, 0.9, 0.999, 1e-8, 0.01, 3)
+    expected = _rollback_numpy(p, g3, m, v, 1e-3, 0.9, 0.999, 1e-8, 0.01, 3)
     assert cpu_op.adam_rollback(2, 3, 1e-3, 0.9, 0.999, 1e-8, 0.01, True, p, g3, m, v) == 0
     for got, exp, name in zip((p, m, v), expected, ("param", "exp_avg", "exp_avg_sq")):
-        np.testing.assert_array_equal(got.numpy(), exp, err_msg=f"{name} differs from DeepSpeed's rollback")
+        np.testing.assert_array_equal(got.numpy(), exp, err_msg=f"{name} differs from the numpy inverse")
     # And it undoes the step, up to fp32 rounding of the inversion (relative to each tensor's scale).
     for got, old, name in zip((p, m, v), before, ("param", "exp_avg", "exp_avg_sq")):
         err = (got - old).abs().max().item() / old.abs().max().item()

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from emulated_mps import METAL_SOURCE, Emulator, build_emulator, compile_emulator, find_compiler, host_names
-from mps_fused_adam.contract import AdamHyper
+from mps_fused_adam.contract import RULES, AdamHyper
 from mps_fused_adam.mps_backends import KERNELS, pack_params
 from mps_fused_adam.reference import reference_adam_
 
@@ -93,7 +93,12 @@ def test_kernel_names_agree(emu):
 
 
 def test_params_struct_size(emu):
-    assert emu.params_size == len(pack_params(hyper(1))) == 44
+    """Every kernel's Params struct is its rule's packed scalars, byte for byte in size, and
+    takes param, grad and the rule's states."""
+    for (rule, _, _), name in KERNELS.items():
+        assert emu.params_size[name] == len(RULES[rule].pack(hyper(1)))
+        assert emu.buffer_count[name] == 2 + len(RULES[rule].states)
+    assert emu.params_size["fused_adam_float_float"] == 44
 
 
 @pytest.mark.parametrize("n", [1, 3, 4, 5, 4097])
@@ -171,7 +176,7 @@ def test_indices_past_2_pow_32(emu, pdtype, sdtype):
     ours = [p.clone(), m.clone(), v.clone()]
     # Modulo 2^64, as the 64-bit address arithmetic in the kernel wraps back onto the real data.
     addrs = tuple((t.data_ptr() - base * t.element_size()) % 2**64 for t in (ours[0], g, ours[1], ours[2]))
-    name = KERNELS[(pdtype, sdtype)]
+    name = KERNELS[("adam", pdtype, sdtype)]
     emu.dispatch(name, addrs, pack_params(hp), base, base + count, -(-count // 4), 256)
     ref = [p.clone(), m.clone(), v.clone()]
     reference_adam_(ref[0], g, ref[1], ref[2], hp)
@@ -241,7 +246,7 @@ def test_every_line_of_the_kernel_runs(tmp_path):
     assert not unexecuted, "\n".join(unexecuted)
     # Each instantiation shows up as its own block; all five kernels must have run. (gcov's
     # demangler leaves the _Float16 ones mangled.)
-    kernels = re.findall(r"^(?:void fused_adam<[^>]*>|_Z10fused_adam\w+)", report, flags=re.M)
+    kernels = re.findall(r"^(?:void fused_step_2<[^>]*>|_Z12fused_step_2\w+)", report, flags=re.M)
     assert len(kernels) == 5, kernels
-    executed = [int(c) for c in re.findall(r"^\s*(\d+)\*?:\s+\d+:\s+const AdamResult r = adam_math", report, re.M)]
+    executed = [int(c) for c in re.findall(r"^\s*(\d+)\*?:\s+\d+:\s+Rule::apply\(", report, re.M)]
     assert executed and all(c > 0 for c in executed)

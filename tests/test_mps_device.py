@@ -41,7 +41,7 @@ def test_each_metal_tier_on_device(tier, pair):
     dev = [t.to("mps") for t in cpu]
     for step in (1, 2, 3):
         hp = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.1, step, adam_w_mode=step != 2)
-        backend.update(*[[t] for t in dev], hp)
+        backend.update("adam", [dev[0]], [dev[1]], [[dev[2]], [dev[3]]], hp)
         reference_adam_(*cpu, hp)
     torch.mps.synchronize()
     for a, b in zip(dev, cpu):

@@ -17,14 +17,14 @@ import torch
 from conftest import choose_backend_afresh
 from emulated_mps import METAL_SOURCE, FakeMetalExt, FakeMpsApi, make_backend
 from mps_fused_adam import backends
-from mps_fused_adam.contract import AdamHyper, kernel_scalars
+from mps_fused_adam.contract import AdamHyper, adam_scalars
 from mps_fused_adam.mps_backends import (KERNELS, MAX_THREADS_PER_DISPATCH, METALLIB_NAME,
                                          ShaderLibraryBackend, dispatch_plan, find_metal_source,
                                          mps_tiers, pack_params, params_as_words)
 from mps_fused_adam.reference import reference_adam_
 
-PAIRS = list(KERNELS)
-PAIR_IDS = [KERNELS[p].removeprefix("fused_adam_") for p in PAIRS]
+PAIRS = [(p, s) for rule, p, s in KERNELS if rule == "adam"]
+PAIR_IDS = [KERNELS[("adam", *p)].removeprefix("fused_adam_") for p in PAIRS]
 
 
 
@@ -63,7 +63,7 @@ def bits_equal(a, b):
 
 def run_steps(backend, t, steps=3, **mode):
     for step in range(1, steps + 1):
-        backend.update(t["p"], t["g"], t["m"], t["v"], hyper(step, **mode))
+        backend.update("adam", t["p"], t["g"], [t["m"], t["v"]], hyper(step, **mode))
 
 
 def run_reference(t, steps=3, **mode):
@@ -95,18 +95,18 @@ def test_tier1_arguments(emu, pkg):
     assert backend.name == "metal" and ext.loaded == [str(pkg / METALLIB_NAME)]
     t = group_tensors(torch.bfloat16, torch.float32)
     hp = hyper(7, adam_w_mode=False, maximize=True)
-    backend.update(t["p"], t["g"], t["m"], t["v"], hp)
+    backend.update("adam", t["p"], t["g"], [t["m"], t["v"]], hp)
     assert len(ext.calls) == 1  # one call per group
-    params, grads, ms, vs, pcode, scode, packed = ext.calls[0]
-    assert (pcode, scode) == (2, 0)
-    for triples, tensors in ((params, t["p"]), (grads, t["g"]), (ms, t["m"]), (vs, t["v"])):
+    name, lists, packed = ext.calls[0]
+    assert name == "fused_adam_bfloat_float" and len(lists) == 4
+    for triples, tensors in zip(lists, (t["p"], t["g"], t["m"], t["v"])):
         for (handle, offset, n), x in zip(triples, tensors):
             assert handle == x.untyped_storage().data_ptr()
             assert offset == x.storage_offset() * x.element_size() and offset > 0
             assert n == x.numel()
     # The bytes are the contract's scalars in order: 9 fp32 then two uint32 flags.
     unpacked = struct.unpack("<9f2I", packed)
-    assert unpacked == tuple(kernel_scalars(hp))
+    assert unpacked == tuple(adam_scalars(hp))
     assert unpacked[-2:] == (0, 1)
     # Grid: one dispatch per tensor, 4 elements per thread, groups of at most 256.
     got = [(d["threads"], d["group"], d["base"], d["n"]) for d in emu.dispatches[-5:]]
@@ -125,7 +125,7 @@ def test_library_tier_arguments(emu, pkg, tier):
     t = group_tensors(torch.float16, torch.float16, sizes=(4097, 5))
     hp = hyper(2)
     emu.dispatches.clear()
-    backend.update(t["p"], t["g"], t["m"], t["v"], hp)
+    backend.update("adam", t["p"], t["g"], [t["m"], t["v"]], hp)
     d = emu.dispatches
     assert [x["name"] for x in d] == ["fused_adam_half_half"] * 2
     assert [(x["threads"], x["group"], x["base"], x["n"]) for x in d] == [(1025, 256, 0, 4097), (2, 2, 0, 5)]
@@ -220,8 +220,8 @@ def test_fallback_to_foreach(emu, pkg):
 def test_library_without_bfloat_kernels_is_refused(emu, pkg):
     """A library compiled without Metal 3.1 (no bfloat kernels) must not be used half-working."""
     src = pkg / "metal" / "fused_adam.metal"
-    src.write_text(src.read_text().replace("#if __METAL_VERSION__ >= 310\nFUSED_ADAM_INSTANTIATE",
-                                           "#if 0\nFUSED_ADAM_INSTANTIATE"))
+    src.write_text(src.read_text().replace("#if __METAL_VERSION__ >= 310\nFUSED_KERNELS_BFLOAT(",
+                                           "#if 0\nFUSED_KERNELS_BFLOAT("))
     (pkg / METALLIB_NAME).unlink()
     backend, msgs = _select(mps_tiers(load_ext=lambda: FakeMetalExt(emu), mps_api=FakeMpsApi(emu),
                                       package_dir=pkg))

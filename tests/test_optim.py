@@ -38,7 +38,7 @@ def assert_params_close(a, b, rtol=1e-5, atol=1e-6):
         torch.testing.assert_close(pa, pb, rtol=rtol, atol=atol)
 
 
-# torch's Adam rounds differently (step size lr/bc1, sqrt(v)/sqrt(bc2)); after 5 steps of lr 1e-2 the
+# torch's Adam rounds differently (sqrt(v) / sqrt(bc2) where we multiply by 1/sqrt(bc2)); after 5 steps of lr 1e-2 the
 # fp32 difference is a few ulps of the parameters, far inside rtol 1e-5.
 @pytest.mark.parametrize("ours_cls,torch_cls,kwargs", [
     (mfa.AdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),

@@ -1,9 +1,11 @@
 """Kernel backends: one small interface, chosen once per device type, reported by ``backend_info()``.
 
-A backend updates lists of tensors that the optimizer has already validated: every list has the
-same length; all tensors are on one device, contiguous and non-empty; params and grads share one
-dtype, exp_avg and exp_avg_sq share one (possibly different) state dtype; all share one
-:class:`AdamHyper`. A backend never fails on such input, so a step that passed validation
+A backend updates lists of tensors that the optimizer has already validated, with one update
+rule of ``contract.RULES``: ``update(rule, params, grads, states, hyper)``, where ``states`` holds
+one list per state of the rule (Adam: ``[exp_avgs, exp_avg_sqs]``). Every list has the same
+length; all tensors are on one device, contiguous and non-empty; params and grads share one
+dtype, the states share one (possibly different) state dtype; all share one hyperparameter
+object of the rule. A backend never fails on such input, so a step that passed validation
 cannot leave tensors half-updated.
 """
 from __future__ import annotations
@@ -11,55 +13,63 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from .contract import AdamHyper, kernel_scalars
+from .contract import AdamHyper, adam_scalars, rule as rule_spec
+
+TensorList = Sequence[torch.Tensor]
 
 
 class Backend(Protocol):
     name: str
 
-    def update(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-               exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor],
-               hp: AdamHyper) -> None: ...
+    def update(self, rule: str, params: TensorList, grads: TensorList, states: Sequence[TensorList],
+               hp: Any) -> None: ...
+
+
+def _foreach_adam(params: TensorList, grads: TensorList, states: Sequence[TensorList], hp: AdamHyper) -> None:
+    """Adam (contract v2) in ``torch._foreach_*`` ops, each a separate fp32 op in the kernels' order."""
+    s = adam_scalars(hp)
+    exp_avgs, exp_avg_sqs = states
+    p = [t.float() for t in params]
+    g = [t.float() for t in grads]
+    m = [t.float() for t in exp_avgs]
+    v = [t.float() for t in exp_avg_sqs]
+    if s.maximize:
+        g = torch._foreach_neg(g)
+    if not s.adam_w_mode:
+        g = torch._foreach_add(g, torch._foreach_mul(p, s.weight_decay))
+    m = torch._foreach_add(torch._foreach_mul(m, s.beta1), torch._foreach_mul(g, s.one_minus_beta1))
+    v = torch._foreach_add(torch._foreach_mul(v, s.beta2), torch._foreach_mul(torch._foreach_mul(g, g), s.one_minus_beta2))
+    # A float64 sqrt rounded once (torch's fp32 sqrt is not always correctly rounded) and a
+    # division by full tensors (torch turns division by a scalar into a reciprocal multiply).
+    denom = torch._foreach_add(torch._foreach_mul([t.double().sqrt_().float() for t in v], s.d2), s.eps)
+    if s.adam_w_mode:
+        p = torch._foreach_mul(p, s.decay)
+    p = torch._foreach_sub(p, torch._foreach_mul(torch._foreach_div(m, denom), s.step_size))
+    with torch.no_grad():
+        torch._foreach_copy_(list(params), p)
+        torch._foreach_copy_(list(exp_avgs), m)
+        torch._foreach_copy_(list(exp_avg_sqs), v)
 
 
 class ForeachBackend:
     """Tier 4: ``torch._foreach_*`` ops in fp32 math, rounded back to the storage dtype.
 
     The ops are separate (no addcmul/addcdiv, which may fuse multiply-adds) and in the kernels'
-    order, so in fp32 this tier agrees with the reference bit for bit.
+    order, so in fp32 this tier agrees with the reference bit for bit. One function per rule.
     """
 
     name = "foreach"
+    RULES: dict[str, Callable[..., None]] = {"adam": _foreach_adam}
 
-    def update(self, params, grads, exp_avgs, exp_avg_sqs, hp: AdamHyper) -> None:
-        s = kernel_scalars(hp)
-        p = [t.float() for t in params]
-        g = [t.float() for t in grads]
-        m = [t.float() for t in exp_avgs]
-        v = [t.float() for t in exp_avg_sqs]
-        if s.maximize:
-            g = torch._foreach_neg(g)
-        if not s.adam_w_mode:
-            g = torch._foreach_add(g, torch._foreach_mul(p, s.weight_decay))
-        m = torch._foreach_add(torch._foreach_mul(m, s.beta1), torch._foreach_mul(g, s.one_minus_beta1))
-        gg = torch._foreach_mul(torch._foreach_mul(g, s.one_minus_beta2), g)
-        v = torch._foreach_add(torch._foreach_mul(v, s.beta2), gg)
-        # Division by full tensors and a float64 sqrt: torch's CPU kernels turn division by a scalar
-        # into multiplication by its reciprocal, and its fp32 sqrt is not always correctly rounded.
-        vc = torch._foreach_div(v, [torch.full_like(t, s.bc2) for t in v])
-        denom = torch._foreach_add([t.double().sqrt_().float() for t in vc], s.eps)
-        upd = torch._foreach_div(torch._foreach_div(m, [torch.full_like(t, s.bc1) for t in m]), denom)
-        if s.adam_w_mode:
-            upd = torch._foreach_add(upd, torch._foreach_mul(p, s.weight_decay))
-        p = torch._foreach_sub(p, torch._foreach_mul(upd, s.lr))
-        with torch.no_grad():
-            torch._foreach_copy_(list(params), p)
-            torch._foreach_copy_(list(exp_avgs), m)
-            torch._foreach_copy_(list(exp_avg_sqs), v)
+    def update(self, rule: str, params, grads, states, hp) -> None:
+        fn = self.RULES.get(rule)
+        if fn is None:
+            raise NotImplementedError(f"the foreach tier has no form of rule {rule!r}")
+        fn(params, grads, states, hp)
 
 
 class CPUBackend:
@@ -76,13 +86,12 @@ class CPUBackend:
             warnings.warn(f"mps_fused_adam: MPS_FUSED_ADAM_SIMD={wanted!r} is not supported on this CPU "
                           f"(supported: {', '.join(_cpu.simd_paths())}); using {self.simd}", RuntimeWarning)
 
-    def update(self, params, grads, exp_avgs, exp_avg_sqs, hp: AdamHyper) -> None:
-        self._cpu.adam_step(
-            [t.data_ptr() for t in params], [t.data_ptr() for t in grads],
-            [t.data_ptr() for t in exp_avgs], [t.data_ptr() for t in exp_avg_sqs],
-            [t.numel() for t in params],
-            _DTYPE_CODES[params[0].dtype], _DTYPE_CODES[exp_avgs[0].dtype],
-            *kernel_scalars(hp), torch.get_num_threads(),
+    def update(self, rule: str, params, grads, states, hp) -> None:
+        self._cpu.step(
+            rule, [t.data_ptr() for t in params], [t.data_ptr() for t in grads],
+            [[t.data_ptr() for t in lst] for lst in states], [t.numel() for t in params],
+            _DTYPE_CODES[params[0].dtype], _DTYPE_CODES[states[0][0].dtype],
+            rule_spec(rule).pack(hp), torch.get_num_threads(),
         )
 
 
@@ -90,7 +99,8 @@ class TorchFusedBackend:
     """Devices we ship no kernel for (CUDA, XPU): torch's fused Adam where it keeps the contract.
 
     torch's fused kernel computes in fp32 (opmath) for every storage dtype, but it needs params
-    and states in one dtype; other mixes, and devices without a fused kernel, use the foreach tier.
+    and states in one dtype; other mixes, other rules, and devices without a fused kernel, use the
+    foreach tier.
     """
 
     name = "torch-fused"
@@ -98,9 +108,10 @@ class TorchFusedBackend:
     def __init__(self) -> None:
         self._fallback = ForeachBackend()
 
-    def update(self, params, grads, exp_avgs, exp_avg_sqs, hp: AdamHyper) -> None:
-        if exp_avgs[0].dtype != params[0].dtype:
-            return self._fallback.update(params, grads, exp_avgs, exp_avg_sqs, hp)
+    def update(self, rule: str, params, grads, states, hp) -> None:
+        if rule != "adam" or states[0][0].dtype != params[0].dtype:
+            return self._fallback.update(rule, params, grads, states, hp)
+        exp_avgs, exp_avg_sqs = states
         fused = torch._fused_adamw_ if hp.adam_w_mode else torch._fused_adam_
         steps = [torch.tensor(float(hp.step), device=params[0].device)] * len(params)
         bc_off = not hp.bias_correction
@@ -112,18 +123,19 @@ class TorchFusedBackend:
               amsgrad=False, maximize=hp.maximize)
 
 
-def update_staged(backend: Backend, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                  exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor], hp: AdamHyper) -> None:
+def update_staged(backend: Backend, rule: str, params: TensorList, grads: TensorList,
+                  states: Sequence[TensorList], hp: Any) -> None:
     """``backend.update`` for tensors that need not be contiguous: non-contiguous ones go through
     contiguous copies that are written back, so their update is never lost (DeepSpeed's CPU Adam
     silently loses it)."""
-    lists = (params, grads, exp_avgs, exp_avg_sqs)
+    lists = (params, grads, *states)
     if all(t.is_contiguous() for tensors in lists for t in tensors):
-        backend.update(params, grads, exp_avgs, exp_avg_sqs, hp)
+        backend.update(rule, params, grads, states, hp)
         return
     staged = [[t.contiguous() for t in tensors] for tensors in lists]
-    backend.update(*staged, hp)
-    for originals, copies in ((params, staged[0]), (exp_avgs, staged[2]), (exp_avg_sqs, staged[3])):
+    backend.update(rule, staged[0], staged[1], staged[2:], hp)
+    written = [(params, staged[0])] + list(zip(states, staged[2:]))
+    for originals, copies in written:
         for orig, copy in zip(originals, copies):
             if copy is not orig:
                 orig.copy_(copy)

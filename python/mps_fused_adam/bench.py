@@ -20,6 +20,7 @@ import torch
 
 from . import CPUAdam, AdamW, backend_info
 from .backends import _DTYPE_CODES
+from .contract import RULES, AdamHyper
 from .timing import bytes_per_elem, interleaved
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -51,10 +52,12 @@ def _floor_fn(opt: torch.optim.Optimizer, params, pdtype, sdtype) -> Callable[[]
     from . import _cpu
     states = [opt.state[p] for p in params]
     ptrs = ([p.data_ptr() for p in params], [p.grad.data_ptr() for p in params],
-            [s["exp_avg"].data_ptr() for s in states], [s["exp_avg_sq"].data_ptr() for s in states],
+            [[s["exp_avg"].data_ptr() for s in states], [s["exp_avg_sq"].data_ptr() for s in states]],
             [p.numel() for p in params])
     codes = (_DTYPE_CODES[pdtype], _DTYPE_CODES[sdtype])
-    return lambda: _cpu.memory_floor(*ptrs, *codes, *([0.0] * 9), 1, 0, torch.get_num_threads())
+    # The floor takes Adam's scalar struct (and ignores it), so its call is Adam's call.
+    blob = RULES["adam"].pack(AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 1))
+    return lambda: _cpu.step("floor", *ptrs, *codes, blob, torch.get_num_threads())
 
 
 def _contenders(params, pdtype, sdtype, deepspeed: bool) -> dict[str, Callable[[], None]]:

@@ -44,7 +44,7 @@ def _contenders(tensors: list[torch.Tensor], pdtype, sdtype,
         def run() -> None:
             step[0] += 1
             hp = AdamHyper(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=step[0])
-            backend.update(raw, grads, ms, vs, hp)
+            backend.update("adam", raw, grads, [ms, vs], hp)
         return run
 
     for label, factory in tiers:

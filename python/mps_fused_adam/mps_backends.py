@@ -11,10 +11,11 @@ code on CPU tensors through stand-ins built from the same kernel source (tests/e
 ``load_ext`` (imports ``_metal``), ``mps_api`` (the object with ``load_metallib`` and
 ``compile_shader``, normally ``torch.mps``) and ``package_dir`` (where the bundled files are).
 
-Kernel interface (see the header comment of metal/fused_adam.metal): buffers 0-3 are param, grad,
-exp_avg, exp_avg_sq; buffer 4 the :class:`~.contract.KernelScalars` packed as 9 floats and 2 uint32;
-buffer 5 ``base`` and buffer 6 ``n`` (64-bit); each thread handles 4 elements from
-``base + 4 * thread``. A dispatch covers at most ``MAX_THREADS_PER_DISPATCH`` threads.
+Kernel interface (see the header comment of metal/fused_adam.metal): kernel ``fused_<rule>_<P>_<S>``;
+buffers 0 and 1 are param and grad, 2 .. 1+K the rule's K states, then the rule's scalar struct
+(``contract.Rule.pack``), ``base`` and ``n`` (64-bit); each thread handles 4 elements from
+``base + 4 * thread``. A dispatch covers at most ``MAX_THREADS_PER_DISPATCH`` threads. Nothing
+here or in ``_metal`` is specific to a rule: they take kernel names, tensor lists and bytes.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from .contract import AdamHyper, kernel_scalars
+from .contract import RULES, AdamHyper, rule as rule_spec
 
 ELEMS_PER_THREAD = 4
 # 2^30 threads cover 2^32 elements: thread_position_in_grid is a 32-bit uint, and keeping each
@@ -45,28 +46,29 @@ METAL_SOURCE_NAME = "fused_adam.metal"
 _DTYPE_NAMES = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat"}
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
-# (param dtype, state dtype) -> kernel host name; states are fp32 or the param dtype.
+# (rule, param dtype, state dtype) -> kernel host name; states are fp32 or the param dtype.
 KERNELS = {
-    (p, s): f"fused_adam_{_DTYPE_NAMES[p]}_{_DTYPE_NAMES[s]}"
-    for p in _DTYPE_NAMES for s in (torch.float32, p)
+    (r, p, s): f"fused_{r}_{_DTYPE_NAMES[p]}_{_DTYPE_NAMES[s]}"
+    for r in RULES for p in _DTYPE_NAMES for s in (torch.float32, p)
 }
 
 
-def kernel_name(param_dtype: torch.dtype, state_dtype: torch.dtype) -> str:
-    return KERNELS[(param_dtype, state_dtype)]
+def kernel_name(rule: str, param_dtype: torch.dtype, state_dtype: torch.dtype) -> str:
+    return KERNELS[(rule, param_dtype, state_dtype)]
 
 
-def pack_params(hp: AdamHyper) -> bytes:
-    """The kernels' ``AdamParams`` struct: 44 bytes, little-endian as on every Apple GPU."""
-    return struct.pack("<9f2I", *kernel_scalars(hp))
+def pack_params(hp: AdamHyper, rule: str = "adam") -> bytes:
+    """The rule's scalar struct as the kernels read it (Adam: 44 bytes, little-endian as on every
+    Apple GPU)."""
+    return rule_spec(rule).pack(hp)
 
 
 def params_as_words(packed: bytes) -> list[int]:
     """``packed`` as the int64 list torch's ShaderLibrary call turns into the same bytes.
 
-    torch binds a list of Python ints as an array of int64 with setBytes, so six little-endian
-    words reproduce the 44-byte struct (plus 4 bytes of padding the kernel never reads), exactly,
-    with no float round trip and no dependence on the ``arg_casts`` option.
+    torch binds a list of Python ints as an array of int64 with setBytes, so little-endian words
+    reproduce the struct (plus padding to 8 bytes the kernel never reads), exactly, with no float
+    round trip and no dependence on the ``arg_casts`` option.
     """
     padded = packed + b"\0" * (-len(packed) % 8)
     return list(struct.unpack(f"<{len(padded) // 8}q", padded))
@@ -118,16 +120,14 @@ class MetalExtBackend:
             raise FileNotFoundError(f"bundled metallib missing: {metallib}")
         # Raises with Metal's own error text if the library is unusable, or if the loaded
         # libtorch lacks the torch::mps functions.
-        ext.load(str(metallib))
+        ext.load(str(metallib), sorted(KERNELS.values()))
         self._ext = ext
         self._buffer_of = buffer_of
 
-    def update(self, params, grads, exp_avgs, exp_avg_sqs, hp: AdamHyper) -> None:
+    def update(self, rule: str, params, grads, states, hp) -> None:
         b = self._buffer_of
-        self._ext.adam_step(
-            [b(t) for t in params], [b(t) for t in grads],
-            [b(t) for t in exp_avgs], [b(t) for t in exp_avg_sqs],
-            DTYPE_CODES[params[0].dtype], DTYPE_CODES[exp_avgs[0].dtype], pack_params(hp))
+        self._ext.step(kernel_name(rule, params[0].dtype, states[0][0].dtype),
+                       [[b(t) for t in lst] for lst in (params, grads, *states)], pack_params(hp, rule))
 
 
 class ShaderLibraryBackend:
@@ -144,22 +144,22 @@ class ShaderLibraryBackend:
             raise RuntimeError(f"library lacks kernels {missing}")
         self.name = name
         self._lib = library
-        self._fns: dict[tuple[torch.dtype, torch.dtype], Any] = {}
+        self._fns: dict[tuple[str, torch.dtype, torch.dtype], Any] = {}
         self._max_threads = max_threads
 
-    def _kernel(self, key: tuple[torch.dtype, torch.dtype]) -> tuple[Any, int]:
+    def _kernel(self, key: tuple[str, torch.dtype, torch.dtype]) -> tuple[Any, int]:
         fn = self._fns.get(key)
         if fn is None:
             fn = self._fns[key] = getattr(self._lib, KERNELS[key])
         return fn, min(THREADGROUP_SIZE, int(getattr(fn, "max_threads_per_threadgroup", THREADGROUP_SIZE)))
 
-    def update(self, params, grads, exp_avgs, exp_avg_sqs, hp: AdamHyper) -> None:
-        fn, group = self._kernel((params[0].dtype, exp_avgs[0].dtype))
-        words = params_as_words(pack_params(hp))
-        for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
-            n = p.numel()
+    def update(self, rule: str, params, grads, states, hp) -> None:
+        fn, group = self._kernel((rule, params[0].dtype, states[0][0].dtype))
+        words = params_as_words(pack_params(hp, rule))
+        for tensors in zip(params, grads, *states):
+            n = tensors[0].numel()
             for base, threads in dispatch_plan(n, self._max_threads):
-                fn(p, g, m, v, words, base, n, threads=threads, group_size=min(group, threads))
+                fn(*tensors, words, base, n, threads=threads, group_size=min(group, threads))
 
 
 def mps_tiers(*, load_ext: Callable[[], Any] | None = None, mps_api: Any = None,

@@ -33,6 +33,8 @@ _CPU = torch.device("cpu")
 class _AdamBase(torch.optim.Optimizer):
     """Shared machinery. Group keys: lr, betas, eps, weight_decay, adam_w_mode, bias_correction, maximize."""
 
+    # The update rule (contract.RULES) every step of this class runs.
+    _rule = "adam"
     # A subclass restricted to one device type (CPUAdam) sets this.
     _device_type: Optional[str] = None
 
@@ -132,7 +134,7 @@ class _AdamBase(torch.optim.Optimizer):
                                weight_decay=float(group["weight_decay"]), step=step,
                                adam_w_mode=bool(group["adam_w_mode"]), bias_correction=bool(group["bias_correction"]),
                                maximize=bool(group["maximize"]))
-                update_staged(get_backend(device), ps, gs, ms, vs, hp)
+                update_staged(get_backend(device), self._rule, ps, gs, [ms, vs], hp)
         return loss
 
     def _plan_group(self, gi: int, group: dict[str, Any]) -> tuple[dict[str, Any], list, dict]:

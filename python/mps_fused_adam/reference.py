@@ -1,25 +1,49 @@
-"""The numeric contract of DESIGN.md section 2 in plain torch, one tensor at a time.
+"""The numeric contract (version 2, DESIGN.md section 2) in plain torch: one function per update rule.
 
 This is the independent reference: the tests, the self-check and nothing on the hot path use it.
 Every operation is a separate fp32 torch op, in the order the kernels use, so an fp32 kernel that
 follows the contract matches it bit for bit; half-precision storage is rounded once per store.
+The host scalars come from ``contract.py`` (double, rounded once to fp32).
 """
 from __future__ import annotations
 
+from typing import Any, Callable, Sequence
+
 import torch
 
-from .contract import AdamHyper, kernel_scalars
+from .contract import AdamHyper, adam_scalars
+
+
+def _full(like: torch.Tensor, x: float) -> torch.Tensor:
+    # A full tensor, not a 0-dim one: torch turns division by a scalar into multiplication by its
+    # reciprocal, which rounds differently; a full operand also keeps every op a plain fp32 op.
+    return torch.full(like.shape, x, dtype=torch.float32, device=like.device)
+
+
+def _sqrt(x: torch.Tensor) -> torch.Tensor:
+    # sqrt through float64: torch's fp32 CPU sqrt is not always correctly rounded, IEEE sqrt (and
+    # so every kernel) is; a float64 sqrt rounded to fp32 is exact (53 >= 2 * 24 + 2 bits).
+    return torch.sqrt(x.double()).float()
 
 
 def reference_adam_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                     exp_avg_sq: torch.Tensor, hp: AdamHyper) -> None:
-    """Apply one Adam step in place, math in fp32, results rounded to each tensor's own dtype."""
-    s = kernel_scalars(hp)
+    """Apply one Adam step in place, math in fp32, results rounded to each tensor's own dtype.
+
+    Element contract (scalars from ``contract.adam_scalars``), each op rounded separately::
+
+        if maximize: g = -g
+        if L2 mode:  g = g + wd * p
+        m = beta1 * m + omb1 * g
+        v = beta2 * v + omb2 * (g * g)
+        denom = sqrt(v) * d2 + eps
+        if AdamW mode: p = p * decay
+        p = p - step_size * (m / denom)
+    """
+    s = adam_scalars(hp)
 
     def f32(x: float) -> torch.Tensor:
-        # A full tensor, not a 0-dim one: torch turns division by a scalar into multiplication
-        # by its reciprocal, which rounds differently from the contract's division.
-        return torch.full(param.shape, x, dtype=torch.float32, device=param.device)
+        return _full(param, x)
 
     p = param.detach().float()
     g = grad.detach().float()
@@ -30,15 +54,24 @@ def reference_adam_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
     if not s.adam_w_mode:
         g = g + f32(s.weight_decay) * p
     m = f32(s.beta1) * m + f32(s.one_minus_beta1) * g
-    v = f32(s.beta2) * v + f32(s.one_minus_beta2) * g * g
-    # sqrt through float64: torch's fp32 CPU sqrt is not always correctly rounded, IEEE sqrt (and
-    # so every kernel) is; a float64 sqrt rounded to fp32 is exact (53 >= 2 * 24 + 2 bits).
-    denom = torch.sqrt((v / f32(s.bc2)).double()).float() + f32(s.eps)
-    update = (m / f32(s.bc1)) / denom
+    v = f32(s.beta2) * v + f32(s.one_minus_beta2) * (g * g)
+    denom = _sqrt(v) * f32(s.d2) + f32(s.eps)
     if s.adam_w_mode:
-        update = update + f32(s.weight_decay) * p
-    p = p - f32(s.lr) * update
+        p = p * f32(s.decay)
+    p = p - f32(s.step_size) * (m / denom)
     with torch.no_grad():
         param.copy_(p)
         exp_avg.copy_(m)
         exp_avg_sq.copy_(v)
+
+
+# One reference per rule of contract.RULES: (param, grad, states, hyper) -> None, in place.
+REFERENCES: dict[str, Callable[[torch.Tensor, torch.Tensor, Sequence[torch.Tensor], Any], None]] = {
+    "adam": lambda p, g, states, hp: reference_adam_(p, g, *states, hp),
+}
+
+
+def reference_step_(rule: str, param: torch.Tensor, grad: torch.Tensor, states: Sequence[torch.Tensor],
+                    hp: Any) -> None:
+    """One step of update rule ``rule`` on one tensor, in place."""
+    REFERENCES[rule](param, grad, states, hp)

@@ -3,11 +3,12 @@
 A backend passes when, after three steps in each mode, its results are within the contract's
 bound of the reference: ``8 * eps(dtype) * max|ref|`` per tensor (DESIGN.md section 2). The
 measured worst difference is reported; on CPU it is normally exactly zero.
+:func:`torch_agreement` measures how far the contract is from ``torch.optim.AdamW`` (in ulps).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -43,7 +44,7 @@ def check_backend(backend: Any, device: str, label: str, n: int = 4099) -> Itera
             ours = [t.to(device) for t in base]
             for step in (1, 2, 3):
                 hp = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.1, step, adam_w_mode=adam_w_mode, maximize=step == 3)
-                backend.update(*[[t] for t in ours], hp)
+                backend.update("adam", [ours[0]], [ours[1]], [[ours[2]], [ours[3]]], hp)
                 reference_adam_(*ref, hp)
             for a, b in zip(ours, ref):
                 a = a.cpu()
@@ -74,3 +75,37 @@ def all_checks() -> Iterator[CheckResult]:
                 continue
             yield from check_backend(backend, "mps", label)
         yield from check_backend(ForeachBackend(), "mps", "foreach")
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance between fp32 tensors in units in the last place (0: identical bits; 1: neighbours)."""
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        i = t.contiguous().view(torch.int32).long()
+        return torch.where(i < 0, -(i & 0x7FFFFFFF), i)
+    return (ordered(a) - ordered(b)).abs()
+
+
+def torch_agreement(step_fn: Callable[..., None] | None = None, steps: int = 100, n: int = 100_000,
+                    weight_decay: float = 0.01) -> dict[str, float]:
+    """fp32 params after ``steps`` AdamW steps (lr 1e-3, default betas and eps) by ``step_fn``
+    (default: the contract's reference; called as ``step_fn(p, g, m, v, hyper)``) against
+    ``torch.optim.AdamW(foreach=False)`` from the same start and gradients: the mean and the
+    largest distance in ulps, the share of bit-identical elements, and the largest difference in
+    units of ``eps(fp32) * max|p|``."""
+    step_fn = step_fn or reference_adam_
+    gen = torch.Generator().manual_seed(0)
+    p0 = torch.randn(n, generator=gen)
+    tp = torch.nn.Parameter(p0.clone())
+    opt = torch.optim.AdamW([tp], lr=1e-3, weight_decay=weight_decay, foreach=False)
+    p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+    for step in range(1, steps + 1):
+        g = torch.randn(n, generator=gen) * 1e-2
+        tp.grad = g.clone()
+        opt.step()
+        step_fn(p, g, m, v, AdamHyper(1e-3, 0.9, 0.999, 1e-8, weight_decay, step))
+    theirs = tp.detach()
+    u = ulps(p, theirs)
+    scale = torch.finfo(torch.float32).eps * theirs.abs().max().item()
+    return {"mean_ulps": u.double().mean().item(), "max_ulps": float(u.max().item()),
+            "identical": (u == 0).double().mean().item(),
+            "max_in_eps": (p - theirs).abs().max().item() / scale}

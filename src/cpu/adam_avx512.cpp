@@ -4,6 +4,7 @@
 // this build's own, so inline code compiled with different -m flags never merges at link time.
 #include <immintrin.h>
 #include <cstdint>
+#include <type_traits>
 #include "adam_types.h"
 namespace mfa { namespace isa_avx512 {
 #include "isa_x86.h"

@@ -1,104 +1,86 @@
-// The CPU Adam kernel: one source of truth for the math, instantiated per ISA.
-// Included by each adam_<isa>.cpp after it has defined `Vec` for its ISA, inside a namespace of
-// its own, so templates built with different -m flags never merge at link time.
+// The CPU kernel's span loop, generic over the update rule, instantiated per ISA from the rule
+// list (adam_types.h MFA_RULES) and the dtype pairs. Included by each adam_<isa>.cpp after it has
+// defined `Vec` for its ISA, inside a namespace of its own, so templates built with different -m
+// flags never merge at link time.
 #pragma once
 
-// Per element, DESIGN.md section 2, in exactly the reference's operation order. The sources are
-// built with -ffp-contract=off: a fused multiply-add would round differently from the scalar
-// path, from the Metal kernel and from the Python reference.
-// (Dividing by the bias corrections as a double multiply by their reciprocal gives the same bits,
-// but measured slower on the AVX-512 machine: the conversions cost more than the divisions.)
-struct AdamMath {
-  using F = Vec::F;
-  F lr, beta1, beta2, omb1, omb2, eps, wd, bc1, bc2;
-  bool adam_w_mode, maximize;
-  explicit AdamMath(const Scalars& s)
-      : lr(Vec::set1(s.lr)), beta1(Vec::set1(s.beta1)), beta2(Vec::set1(s.beta2)),
-        omb1(Vec::set1(s.one_minus_beta1)), omb2(Vec::set1(s.one_minus_beta2)), eps(Vec::set1(s.eps)),
-        wd(Vec::set1(s.weight_decay)), bc1(Vec::set1(s.bc1)), bc2(Vec::set1(s.bc2)),
-        adam_w_mode(s.adam_w_mode), maximize(s.maximize) {}
-  inline void operator()(F& p, F g, F& m, F& v) const {
-    if (maximize) g = Vec::neg(g);
-    if (!adam_w_mode) g = g + wd * p;
-    m = beta1 * m + omb1 * g;
-    v = beta2 * v + omb2 * g * g;
-    F denom = Vec::sqrt(v / bc2) + eps;
-    F update = (m / bc1) / denom;
-    if (adam_w_mode) update = update + wd * p;
-    p = p - lr * update;
-  }
-};
+#include "rules.h"
 
-// The memory floor: Adam's access pattern (4 reads, 3 in-place writes) with trivial math.
-struct FloorMath {
-  using F = Vec::F;
-  explicit FloorMath(const Scalars&) {}
-  inline void operator()(F& p, F g, F& m, F& v) const {
-    m = m + g;
-    v = v + g;
-    p = p + m;
-  }
-};
-
-template <class Math, class P, class S>
-void span_kernel(const Span& sp, int64_t begin, int64_t end, const Scalars& s) {
+template <class Rule, class P, class S>
+void span_kernel(const Span& sp, int64_t begin, int64_t end, const void* scalars) {
   constexpr int W = Vec::W;
-  const Math math(s);
+  constexpr int K = Rule::kStates;
+  using F = typename Vec::F;
+  const Rule rule(*static_cast<const typename Rule::Scalars*>(scalars));
   P* p = static_cast<P*>(sp.param);
   const P* g = static_cast<const P*>(sp.grad);
-  S* m = static_cast<S*>(sp.exp_avg);
-  S* v = static_cast<S*>(sp.exp_avg_sq);
+  S* st[K];
+  for (int k = 0; k < K; ++k) st[k] = static_cast<S*>(sp.state[k]);
   int64_t i = begin;
   // Two independent vectors per iteration: the divide/sqrt chain of one hides the other's latency.
   for (; i + 2 * W <= end; i += 2 * W) {
-    typename Vec::F p0 = Vec::load(p + i), m0 = Vec::load(m + i), v0 = Vec::load(v + i);
-    typename Vec::F p1 = Vec::load(p + i + W), m1 = Vec::load(m + i + W), v1 = Vec::load(v + i + W);
-    math(p0, Vec::load(g + i), m0, v0);
-    math(p1, Vec::load(g + i + W), m1, v1);
+    F p0 = Vec::load(p + i), p1 = Vec::load(p + i + W);
+    F s0[K], s1[K];
+    for (int k = 0; k < K; ++k) {
+      s0[k] = Vec::load(st[k] + i);
+      s1[k] = Vec::load(st[k] + i + W);
+    }
+    rule(p0, Vec::load(g + i), s0);
+    rule(p1, Vec::load(g + i + W), s1);
     Vec::store(p + i, p0);
-    Vec::store(m + i, m0);
-    Vec::store(v + i, v0);
     Vec::store(p + i + W, p1);
-    Vec::store(m + i + W, m1);
-    Vec::store(v + i + W, v1);
+    for (int k = 0; k < K; ++k) {
+      Vec::store(st[k] + i, s0[k]);
+      Vec::store(st[k] + i + W, s1[k]);
+    }
   }
   for (; i + W <= end; i += W) {
-    typename Vec::F pv = Vec::load(p + i), mv = Vec::load(m + i), vv = Vec::load(v + i);
-    math(pv, Vec::load(g + i), mv, vv);
+    F pv = Vec::load(p + i), sv[K];
+    for (int k = 0; k < K; ++k) sv[k] = Vec::load(st[k] + i);
+    rule(pv, Vec::load(g + i), sv);
     Vec::store(p + i, pv);
-    Vec::store(m + i, mv);
-    Vec::store(v + i, vv);
+    for (int k = 0; k < K; ++k) Vec::store(st[k] + i, sv[k]);
   }
   if (i < end) {
     // The tail goes through the same vector math on zero-padded copies, so every element of
     // every path sees the identical instruction sequence.
     const int64_t r = end - i;
     P pb[W] = {}, gb[W] = {};
-    S mb[W] = {}, vb[W] = {};
-    for (int64_t k = 0; k < r; ++k) { pb[k] = p[i + k]; gb[k] = g[i + k]; mb[k] = m[i + k]; vb[k] = v[i + k]; }
-    typename Vec::F pv = Vec::load(pb), mv = Vec::load(mb), vv = Vec::load(vb);
-    math(pv, Vec::load(gb), mv, vv);
+    S sb[K][W] = {};
+    for (int64_t j = 0; j < r; ++j) {
+      pb[j] = p[i + j];
+      gb[j] = g[i + j];
+      for (int k = 0; k < K; ++k) sb[k][j] = st[k][i + j];
+    }
+    F pv = Vec::load(pb), sv[K];
+    for (int k = 0; k < K; ++k) sv[k] = Vec::load(sb[k]);
+    rule(pv, Vec::load(gb), sv);
     Vec::store(pb, pv);
-    Vec::store(mb, mv);
-    Vec::store(vb, vv);
-    for (int64_t k = 0; k < r; ++k) { p[i + k] = pb[k]; m[i + k] = mb[k]; v[i + k] = vb[k]; }
+    for (int k = 0; k < K; ++k) Vec::store(sb[k], sv[k]);
+    for (int64_t j = 0; j < r; ++j) {
+      p[i + j] = pb[j];
+      for (int k = 0; k < K; ++k) st[k][i + j] = sb[k][j];
+    }
   }
 }
 
-template <class Math>
+template <class Rule>
 inline void fill_row(SpanFn (&row)[static_cast<int>(Combo::Count)]) {
-  
-  row[int(Combo::F32_F32)] = span_kernel<Math, float, float>;
-  row[int(Combo::F16_F32)] = span_kernel<Math, mfa::f16, float>;
-  row[int(Combo::F16_F16)] = span_kernel<Math, mfa::f16, mfa::f16>;
-  row[int(Combo::BF16_F32)] = span_kernel<Math, mfa::bf16, float>;
-  row[int(Combo::BF16_BF16)] = span_kernel<Math, mfa::bf16, mfa::bf16>;
+  row[int(Combo::F32_F32)] = span_kernel<Rule, float, float>;
+  row[int(Combo::F16_F32)] = span_kernel<Rule, mfa::f16, float>;
+  row[int(Combo::F16_F16)] = span_kernel<Rule, mfa::f16, mfa::f16>;
+  row[int(Combo::BF16_F32)] = span_kernel<Rule, mfa::bf16, float>;
+  row[int(Combo::BF16_BF16)] = span_kernel<Rule, mfa::bf16, mfa::bf16>;
 }
 
 inline IsaTable make_table(const char* name) {
   IsaTable t{};
   t.name = name;
-  fill_row<AdamMath>(t.adam);
-  fill_row<FloorMath>(t.floor);
+#define MFA_FILL_ROW(id, rname, functor, scalars, states)                                       \
+  static_assert(functor::kStates == (states) && (states) <= kMaxStates, "state count of " rname); \
+  static_assert(std::is_same<functor::Scalars, scalars>::value, "scalar struct of " rname);      \
+  fill_row<functor>(t.fn[int(RuleId::id)]);
+  MFA_RULES(MFA_FILL_ROW)
+#undef MFA_FILL_ROW
   return t;
 }

@@ -4,6 +4,7 @@
 // this build's own, so inline code compiled with different -m flags never merges at link time.
 #include <arm_neon.h>
 #include <cstdint>
+#include <type_traits>
 #include "adam_types.h"
 namespace mfa { namespace isa_neon {
 #include "isa_neon.h"

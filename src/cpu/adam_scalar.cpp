@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <cstdint>
+#include <type_traits>
 #include "adam_types.h"
 namespace mfa { namespace isa_scalar {
 #include "isa_scalar.h"

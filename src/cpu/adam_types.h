@@ -1,4 +1,5 @@
-// Types shared by every SIMD build of the CPU kernel and by the dispatcher.
+// Types shared by every SIMD build of the CPU kernel and by the dispatcher: the list of update
+// rules, their host-scalar structs, spans and the per-ISA kernel tables.
 #pragma once
 #include <cstdint>
 
@@ -8,31 +9,49 @@ namespace mfa {
 struct f16 { uint16_t bits; };
 struct bf16 { uint16_t bits; };
 
-// The fp32 scalars of one step, in the order of contract.KernelScalars.
-struct Scalars {
-  float lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, bc1, bc2;
-  bool adam_w_mode, maximize;
+// Adam's fp32 host scalars (numeric contract v2), in the order of contract.AdamScalars; Python
+// packs them with the rule's struct format ("<9f2I") and the Metal kernel reads the same bytes.
+struct AdamScalars {
+  float beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, step_size, d2, decay;
+  uint32_t adam_w_mode, maximize;
+};
+static_assert(sizeof(AdamScalars) == 44, "AdamScalars must match contract.RULES['adam'].struct_format");
+
+// THE list of update rules: X(enum id, Python name, functor in rules.h, scalar struct, states).
+// Adding a rule: one line here, its functor in rules.h, its scalar struct above; every ISA x
+// dtype pair is then instantiated from this list (kernel.h) and bound by name (bindings.cpp).
+// "floor" is the benchmark's memory floor: Adam's access pattern with trivial math, Adam's scalars.
+#define MFA_RULES(X)                                   \
+  X(Adam, "adam", AdamRule, AdamScalars, 2)            \
+  X(Floor, "floor", FloorRule, AdamScalars, 2)
+
+enum class RuleId : int {
+#define MFA_RULE_ID(id, name, functor, scalars, states) id,
+  MFA_RULES(MFA_RULE_ID)
+#undef MFA_RULE_ID
+  Count
 };
 
-// A contiguous run of elements of one tensor (or the same run of its four tensors).
+constexpr int kMaxStates = 2;  // the most state tensors any rule has
+
+// A contiguous run of elements of one tensor (or the same run of its param, grad and states).
 struct Span {
   void* param;
   const void* grad;
-  void* exp_avg;
-  void* exp_avg_sq;
+  void* state[kMaxStates];  // the first `states` of the rule are used
   int64_t n;
 };
 
 // Param/state dtype pairs the kernel is instantiated for.
 enum class Combo : int { F32_F32 = 0, F16_F32, F16_F16, BF16_F32, BF16_BF16, Count };
 
-// One kernel per (ISA, combo, math): processes span[0..n) at element offset `begin`.
-using SpanFn = void (*)(const Span&, int64_t begin, int64_t end, const Scalars&);
+// One kernel per (ISA, rule, combo): processes span elements [begin, end) with the rule's scalar
+// struct at `scalars` (suitably aligned).
+using SpanFn = void (*)(const Span&, int64_t begin, int64_t end, const void* scalars);
 
 struct IsaTable {
   const char* name;
-  SpanFn adam[static_cast<int>(Combo::Count)];
-  SpanFn floor[static_cast<int>(Combo::Count)];  // the memory floor: same loop, trivial math
+  SpanFn fn[static_cast<int>(RuleId::Count)][static_cast<int>(Combo::Count)];
 };
 
 }  // namespace mfa

@@ -5,6 +5,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -29,46 +30,88 @@ Combo combo_of(int param_dtype, int state_dtype) {
                               ", " + std::to_string(state_dtype) + "); states are float32 or the param dtype");
 }
 
-void step(bool floor, nb::list params, nb::list grads, nb::list exp_avgs, nb::list exp_avg_sqs,
-          nb::list numels, int param_dtype, int state_dtype, float lr, float beta1, float beta2,
-          float omb1, float omb2, float eps, float wd, float bc1, float bc2, int adam_w_mode,
-          int maximize, int num_threads) {
+struct RuleInfo {
+  const char* name;
+  RuleId id;
+  int states;
+  size_t scalar_bytes;
+};
+// From the one list of rules (adam_types.h): names as contract.RULES spells them.
+constexpr RuleInfo kRules[] = {
+#define MFA_RULE_INFO(id, name, functor, scalars, states) {name, RuleId::id, states, sizeof(scalars)},
+    MFA_RULES(MFA_RULE_INFO)
+#undef MFA_RULE_INFO
+};
+
+const RuleInfo& rule_info(const std::string& name) {
+  for (const RuleInfo& r : kRules)
+    if (name == r.name) return r;
+  std::string known;
+  for (const RuleInfo& r : kRules) known += std::string(known.empty() ? "" : ", ") + r.name;
+  throw std::invalid_argument("unknown update rule '" + name + "'; the CPU kernel has: " + known);
+}
+
+uintptr_t address(nb::handle h) { return nb::cast<uintptr_t>(h); }
+
+// One step of `rule` over tensors given as host addresses; `states` holds one list of addresses
+// per state of the rule; `scalars` is the rule's scalar struct (contract.Rule.pack).
+void step(const std::string& rule, nb::list params, nb::list grads, nb::list states, nb::list numels,
+          int param_dtype, int state_dtype, nb::bytes scalars, int num_threads) {
+  const RuleInfo& info = rule_info(rule);
   size_t n = nb::len(params);
-  if (nb::len(grads) != n || nb::len(exp_avgs) != n || nb::len(exp_avg_sqs) != n || nb::len(numels) != n)
-    throw std::invalid_argument("params, grads, exp_avgs, exp_avg_sqs and numels must have the same length");
+  if (nb::len(states) != size_t(info.states))
+    throw std::invalid_argument("rule '" + rule + "' has " + std::to_string(info.states) + " states; got " +
+                                std::to_string(nb::len(states)) + " state lists");
+  nb::list state_lists[kMaxStates];
+  for (int k = 0; k < info.states; ++k) {
+    state_lists[k] = nb::cast<nb::list>(states[k]);
+    if (nb::len(state_lists[k]) != n)
+      throw std::invalid_argument("params, grads, every state list and numels must have the same length");
+  }
+  if (nb::len(grads) != n || nb::len(numels) != n)
+    throw std::invalid_argument("params, grads, every state list and numels must have the same length");
+  if (scalars.size() != info.scalar_bytes)
+    throw std::invalid_argument("rule '" + rule + "' takes a " + std::to_string(info.scalar_bytes) +
+                                "-byte scalar struct; got " + std::to_string(scalars.size()) + " bytes");
   Combo combo = combo_of(param_dtype, state_dtype);
   thread_local std::vector<Span> spans;  // reused across steps: no allocation once warmed up
   spans.resize(n);
   for (size_t i = 0; i < n; ++i) {
     int64_t count = nb::cast<int64_t>(numels[i]);
     if (count < 0) throw std::invalid_argument("negative element count");
-    spans[i] = Span{reinterpret_cast<void*>(nb::cast<uintptr_t>(params[i])),
-                    reinterpret_cast<const void*>(nb::cast<uintptr_t>(grads[i])),
-                    reinterpret_cast<void*>(nb::cast<uintptr_t>(exp_avgs[i])),
-                    reinterpret_cast<void*>(nb::cast<uintptr_t>(exp_avg_sqs[i])), count};
+    Span& sp = spans[i];
+    sp.param = reinterpret_cast<void*>(address(params[i]));
+    sp.grad = reinterpret_cast<const void*>(address(grads[i]));
+    for (int k = 0; k < kMaxStates; ++k)
+      sp.state[k] = k < info.states ? reinterpret_cast<void*>(address(state_lists[k][i])) : nullptr;
+    sp.n = count;
   }
-  const IsaTable& isa = active_isa();
-  SpanFn fn = (floor ? isa.floor : isa.adam)[static_cast<int>(combo)];
-  Scalars s{lr, beta1, beta2, omb1, omb2, eps, wd, bc1, bc2, adam_w_mode != 0, maximize != 0};
+  // An aligned copy: the rules read the struct as floats and ints.
+  alignas(16) unsigned char blob[256];
+#define MFA_FITS(id, name, functor, scalars, states) static_assert(sizeof(scalars) <= sizeof(blob), name);
+  MFA_RULES(MFA_FITS)
+#undef MFA_FITS
+  std::memcpy(blob, scalars.c_str(), scalars.size());
+  SpanFn fn = active_isa().fn[static_cast<int>(info.id)][static_cast<int>(combo)];
   nb::gil_scoped_release release;
-  run_step(spans, fn, s, num_threads);
+  run_step(spans, fn, blob, num_threads);
 }
 
 }  // namespace
 
 NB_MODULE(_cpu, m) {
-  m.doc() = "The CPU Adam kernel of mps_fused_adam (SIMD C++, persistent thread pool, no OpenMP).";
-  m.def("adam_step", [](nb::list p, nb::list g, nb::list ma, nb::list va, nb::list ne, int pd, int sd, float lr,
-                        float b1, float b2, float omb1, float omb2, float eps, float wd, float bc1, float bc2,
-                        int aw, int mx, int nt) { step(false, p, g, ma, va, ne, pd, sd, lr, b1, b2, omb1, omb2, eps, wd, bc1, bc2, aw, mx, nt); },
-        "adam_step(params, grads, exp_avgs, exp_avg_sqs, numels, param_dtype, state_dtype, lr, beta1, beta2, "
-        "one_minus_beta1, one_minus_beta2, eps, weight_decay, bc1, bc2, adam_w_mode, maximize, num_threads)\n\n"
-        "One Adam step, in place, over tensors given as host addresses (tensor.data_ptr()). "
-        "Scalars are contract.kernel_scalars(); the GIL is released while it runs.");
-  m.def("memory_floor", [](nb::list p, nb::list g, nb::list ma, nb::list va, nb::list ne, int pd, int sd, float lr,
-                           float b1, float b2, float omb1, float omb2, float eps, float wd, float bc1, float bc2,
-                           int aw, int mx, int nt) { step(true, p, g, ma, va, ne, pd, sd, lr, b1, b2, omb1, omb2, eps, wd, bc1, bc2, aw, mx, nt); },
-        "Same arguments as adam_step; runs Adam's memory access pattern with trivial math (benchmark floor).");
+  m.doc() = "The CPU optimizer kernels of mps_fused_adam (SIMD C++, persistent thread pool, no OpenMP).";
+  m.def("step", &step, nb::arg("rule"), nb::arg("params"), nb::arg("grads"), nb::arg("states"),
+        nb::arg("numels"), nb::arg("param_dtype"), nb::arg("state_dtype"), nb::arg("scalars"),
+        nb::arg("num_threads"),
+        "One step of update rule `rule` (contract.RULES, or 'floor': the benchmark's memory floor), in\n"
+        "place, over tensors given as host addresses (tensor.data_ptr()): `states` holds one address\n"
+        "list per state; `scalars` is contract.Rule.pack(hyper). The GIL is released while it runs.");
+  m.def("rules", [] {
+    std::vector<std::string> names;
+    for (const RuleInfo& r : kRules) names.emplace_back(r.name);
+    return names;
+  }, "The update rules this build has.");
   m.def("simd_path", [] { return std::string(active_isa().name); }, "The SIMD build in use.");
   m.def("simd_paths", [] {
     std::vector<std::string> names;

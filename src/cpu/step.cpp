@@ -18,7 +18,7 @@ struct StepJob {
   int64_t total;
   int threads;
   SpanFn fn;
-  const Scalars* scalars;
+  const void* scalars;
 };
 
 int64_t boundary(const StepJob& job, int t) {
@@ -38,13 +38,13 @@ void run_range(void* ctx, int t) {
     const Span& sp = (*job.spans)[i];
     int64_t b = std::max<int64_t>(lo - starts[i], 0);
     int64_t e = std::min<int64_t>(hi - starts[i], sp.n);
-    if (b < e) job.fn(sp, b, e, *job.scalars);
+    if (b < e) job.fn(sp, b, e, job.scalars);
   }
 }
 
 }  // namespace
 
-void run_step(const std::vector<Span>& spans, SpanFn fn, const Scalars& s, int threads) {
+void run_step(const std::vector<Span>& spans, SpanFn fn, const void* scalars, int threads) {
   thread_local std::vector<int64_t> starts;  // reused: no allocation once warmed up
   starts.resize(spans.size());
   int64_t total = 0;
@@ -55,7 +55,7 @@ void run_step(const std::vector<Span>& spans, SpanFn fn, const Scalars& s, int t
   if (total == 0) return;
   int64_t useful = std::max<int64_t>(1, total / kMinElementsPerThread);
   int n = static_cast<int>(std::min<int64_t>(std::max(threads, 1), useful));
-  StepJob job{&spans, &starts, total, n, fn, &s};
+  StepJob job{&spans, &starts, total, n, fn, scalars};
   ThreadPool::instance().run(n, run_range, &job);
 }
 

@@ -1,9 +1,11 @@
 // The `_metal` extension: runs metal/fused_adam.metal's kernels (fused_adam.metallib) on PyTorch's
-// MPS stream. load(metallib_path) loads the library and pipelines once. adam_step(params, grads,
-// exp_avgs, exp_avg_sqs, param_code, state_code, hyper) encodes a group's tensors, each given as
-// (MTLBuffer handle, byte offset, numel), into one compute encoder on PyTorch's command buffer,
-// under PyTorch's dispatch queue, without waiting for the GPU. Codes: 0 float, 1 half, 2 bfloat;
-// hyper: the 44-byte AdamParams. Caller: mps_backends.py; stand-in: tests/emulated_mps.py.
+// MPS stream, knowing nothing of any update rule. load(metallib_path, kernel_names) loads the
+// library and the named kernels' pipelines once. step(kernel_name, tensors, scalars) encodes a
+// group into one compute encoder on PyTorch's command buffer, under PyTorch's dispatch queue,
+// without waiting for the GPU: tensors = [params, grads, state lists...], each tensor a
+// (MTLBuffer handle, byte offset, numel) triple; list k binds to buffer k, then the scalar blob
+// (the rule's struct), base and n (fused_adam.metal's header). Caller: mps_backends.py;
+// stand-in: tests/emulated_mps.py.
 // Untested on Apple hardware until the release pipeline's Apple Silicon job has run.
 #import <Foundation/Foundation.h>
 #import <Metal/Metal.h>
@@ -11,6 +13,8 @@
 #include <dlfcn.h>
 #include <mach-o/dyld.h>
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -18,6 +22,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace nb = nanobind;
@@ -34,26 +39,21 @@ struct TorchMps {
 };
 TorchMps g_torch;
 
-struct AdamParams {  // metal/fused_adam.metal's struct: 9 floats, then adam_w_mode and maximize
-  float scalars[9];
-  uint32_t flags[2];
-};
-static_assert(sizeof(AdamParams) == 44, "AdamParams layout");
-
 constexpr uint64_t kElemsPerThread = 4;
 constexpr uint64_t kMaxThreadsPerDispatch = uint64_t(1) << 30;  // see mps_backends.py
 constexpr NSUInteger kGroupSize = 256;
-const char* const kDtypeNames[3] = {"float", "half", "bfloat"};
+constexpr size_t kMaxLists = 8;        // param, grad and up to 6 states
+constexpr size_t kMaxScalarBytes = 4096;  // setBytes' limit
 
 struct TensorRef {
-  uintptr_t buffer[4];  // param, grad, exp_avg, exp_avg_sq: id<MTLBuffer> as an integer
-  uint64_t offset[4];   // bytes
+  uintptr_t buffer[kMaxLists];  // id<MTLBuffer> as an integer
+  uint64_t offset[kMaxLists];   // bytes
   uint64_t numel;
 };
 
 std::mutex g_load_mutex;
 bool g_loaded = false;
-id<MTLComputePipelineState> g_pipelines[3][3];  // [param code][state code]; nil: no such kernel
+std::unordered_map<std::string, id<MTLComputePipelineState>> g_pipelines;  // by host name
 
 [[noreturn]] void fail(const std::string& what, NSError* error) {
   std::string msg = "mps_fused_adam._metal: " + what;
@@ -87,7 +87,7 @@ void* loaded_libtorch() {
   return nullptr;
 }
 
-void load(const std::string& path) {
+void load(const std::string& path, const std::vector<std::string>& kernel_names) {
   std::lock_guard<std::mutex> lock(g_load_mutex);
   if (g_loaded) {
     return;
@@ -112,22 +112,16 @@ void load(const std::string& path) {
     if (library == nil) {
       fail("cannot load " + path, error);
     }
-    for (int p = 0; p < 3; ++p) {
-      for (int s = 0; s < 3; ++s) {
-        if (s != 0 && s != p) {
-          continue;  // states are fp32 or the param dtype
-        }
-        const std::string name = std::string("fused_adam_") + kDtypeNames[p] + "_" + kDtypeNames[s];
-        id<MTLFunction> fn = [library newFunctionWithName:[NSString stringWithUTF8String:name.c_str()]];
-        if (fn == nil) {
-          fail(path + " has no kernel " + name, nil);
-        }
-        id<MTLComputePipelineState> pso = [device newComputePipelineStateWithFunction:fn error:&error];
-        if (pso == nil) {
-          fail("cannot build the pipeline of " + name, error);
-        }
-        g_pipelines[p][s] = pso;
+    for (const std::string& name : kernel_names) {
+      id<MTLFunction> fn = [library newFunctionWithName:[NSString stringWithUTF8String:name.c_str()]];
+      if (fn == nil) {
+        fail(path + " has no kernel " + name, nil);
       }
+      id<MTLComputePipelineState> pso = [device newComputePipelineStateWithFunction:fn error:&error];
+      if (pso == nil) {
+        fail("cannot build the pipeline of " + name, error);
+      }
+      g_pipelines[name] = pso;
     }
     g_loaded = true;
   }
@@ -142,36 +136,38 @@ uint64_t field(nb::list list, size_t i, Py_ssize_t k) {
   return nb::cast<uint64_t>(nb::handle(PyTuple_GET_ITEM(triple, k)));
 }
 
-void adam_step(nb::list params, nb::list grads, nb::list exp_avgs, nb::list exp_avg_sqs,
-               int param_code, int state_code, nb::bytes hyper) {
+void step(const std::string& kernel_name, nb::list tensors, nb::bytes scalars) {
   if (!g_loaded) {
     throw std::runtime_error("mps_fused_adam._metal: load() has not been called");
   }
-  if (param_code < 0 || param_code > 2 || state_code < 0 || state_code > 2 ||
-      g_pipelines[param_code][state_code] == nil) {
-    throw std::invalid_argument("mps_fused_adam._metal: unsupported dtype codes");
+  const auto found = g_pipelines.find(kernel_name);
+  if (found == g_pipelines.end()) {
+    throw std::invalid_argument("mps_fused_adam._metal: no kernel " + kernel_name + " was loaded");
   }
-  if (hyper.size() != sizeof(AdamParams)) {
-    throw std::invalid_argument("mps_fused_adam._metal: hyper must be 44 bytes");
+  const size_t lists = tensors.size();
+  if (lists < 2 || lists > kMaxLists || scalars.size() == 0 || scalars.size() > kMaxScalarBytes) {
+    throw std::invalid_argument("mps_fused_adam._metal: expected 2 to 8 tensor lists and 1 to 4096 scalar bytes");
   }
-  const size_t count = params.size();
-  if (grads.size() != count || exp_avgs.size() != count || exp_avg_sqs.size() != count) {
-    throw std::invalid_argument("mps_fused_adam._metal: tensor lists differ in length");
+  nb::list by_list[kMaxLists];
+  for (size_t k = 0; k < lists; ++k) {
+    by_list[k] = nb::cast<nb::list>(tensors[k]);
+    if (by_list[k].size() != by_list[0].size()) {
+      throw std::invalid_argument("mps_fused_adam._metal: tensor lists differ in length");
+    }
   }
-  AdamParams hp;
-  std::memcpy(&hp, hyper.c_str(), sizeof hp);
+  const size_t count = by_list[0].size();
+  std::vector<unsigned char> blob(scalars.c_str(), scalars.c_str() + scalars.size());
 
   // Unpacked while holding the GIL; the buffer only grows, so steady-state steps allocate nothing.
   static thread_local std::vector<TensorRef> refs;
   refs.resize(count);
-  const nb::list lists[4] = {params, grads, exp_avgs, exp_avg_sqs};
   for (size_t i = 0; i < count; ++i) {
     TensorRef& r = refs[i];
-    r.numel = field(params, i, 2);
-    for (int k = 0; k < 4; ++k) {
-      r.buffer[k] = static_cast<uintptr_t>(field(lists[k], i, 0));
-      r.offset[k] = field(lists[k], i, 1);
-      if (field(lists[k], i, 2) != r.numel) {
+    r.numel = field(by_list[0], i, 2);
+    for (size_t k = 0; k < lists; ++k) {
+      r.buffer[k] = static_cast<uintptr_t>(field(by_list[k], i, 0));
+      r.offset[k] = field(by_list[k], i, 1);
+      if (field(by_list[k], i, 2) != r.numel) {
         throw std::invalid_argument("mps_fused_adam._metal: tensor sizes differ within a parameter");
       }
     }
@@ -179,7 +175,9 @@ void adam_step(nb::list params, nb::list grads, nb::list exp_avgs, nb::list exp_
 
   // The block runs on PyTorch's queue thread: it captures plain values, never Python objects.
   const TensorRef* data = refs.data();
-  id<MTLComputePipelineState> pso = g_pipelines[param_code][state_code];
+  id<MTLComputePipelineState> pso = found->second;
+  const unsigned char* hp = blob.data();
+  const NSUInteger hp_len = blob.size();
   const NSUInteger group = std::min<NSUInteger>(kGroupSize, pso.maxTotalThreadsPerThreadgroup);
   nb::gil_scoped_release no_gil;
   dispatch_sync(g_torch.get_dispatch_queue(), ^{
@@ -187,19 +185,19 @@ void adam_step(nb::list params, nb::list grads, nb::list exp_avgs, nb::list exp_
       // Inside the queue: get_command_buffer() first closes PyTorch's own open encoder.
       id<MTLComputeCommandEncoder> encoder = [g_torch.get_command_buffer() computeCommandEncoder];
       [encoder setComputePipelineState:pso];
-      [encoder setBytes:&hp length:sizeof hp atIndex:4];
+      [encoder setBytes:hp length:hp_len atIndex:lists];
       for (size_t i = 0; i < count; ++i) {
         const TensorRef& r = data[i];
-        for (NSUInteger k = 0; k < 4; ++k) {
+        for (NSUInteger k = 0; k < lists; ++k) {
           [encoder setBuffer:(__bridge id<MTLBuffer>)reinterpret_cast<void*>(r.buffer[k])
                       offset:r.offset[k]
                      atIndex:k];
         }
-        [encoder setBytes:&r.numel length:sizeof r.numel atIndex:6];
+        [encoder setBytes:&r.numel length:sizeof r.numel atIndex:lists + 2];
         for (uint64_t base = 0; base < r.numel; base += kMaxThreadsPerDispatch * kElemsPerThread) {
           const uint64_t elems = std::min(kMaxThreadsPerDispatch * kElemsPerThread, r.numel - base);
           const NSUInteger threads = (elems + kElemsPerThread - 1) / kElemsPerThread;
-          [encoder setBytes:&base length:sizeof base atIndex:5];
+          [encoder setBytes:&base length:sizeof base atIndex:lists + 1];
           [encoder dispatchThreads:MTLSizeMake(threads, 1, 1)
              threadsPerThreadgroup:MTLSizeMake(std::min(group, threads), 1, 1)];
         }
@@ -213,8 +211,7 @@ void adam_step(nb::list params, nb::list grads, nb::list exp_avgs, nb::list exp_
 }  // namespace
 
 NB_MODULE(_metal, m) {
-  m.doc() = "Fused Adam Metal kernels dispatched on PyTorch's MPS stream";
-  m.def("load", &load, nb::arg("metallib_path"));
-  m.def("adam_step", &adam_step, nb::arg("params"), nb::arg("grads"), nb::arg("exp_avgs"),
-        nb::arg("exp_avg_sqs"), nb::arg("param_code"), nb::arg("state_code"), nb::arg("hyper"));
+  m.doc() = "Fused optimizer Metal kernels dispatched on PyTorch's MPS stream";
+  m.def("load", &load, nb::arg("metallib_path"), nb::arg("kernel_names"));
+  m.def("step", &step, nb::arg("kernel_name"), nb::arg("tensors"), nb::arg("scalars"));
 }

@@ -38,8 +38,10 @@ int main() {
     for (int n : sizes) {
       for (int mode = 0; mode < 6; ++mode) {  // adamw/l2 x maximize x bias-corrected, then floor
         bool floor = mode >= 4;
-        Scalars s{1e-2f, 0.9f, 0.999f, 0.1f, 0.001f, 1e-8f, 0.05f, mode & 1 ? 1.0f : 0.1f, mode & 1 ? 1.0f : 0.001f,
-                  (mode & 2) == 0, (mode & 1) != 0};
+        // beta1, beta2, 1-beta1, 1-beta2, eps, wd, step size, d2, decay, adamw, maximize (contract v2)
+        const bool adamw = (mode & 2) == 0;
+        AdamScalars s{0.9f,  0.999f, 0.1f, 0.001f, 1e-8f, 0.05f, mode & 1 ? 1e-2f : 0.1f, mode & 1 ? 1.0f : 31.622776f,
+                      adamw ? 0.9995f : 1.0f, adamw, (mode & 1) != 0u};
         std::vector<std::vector<uint8_t>> bufs[2];
         for (int k = 0; k < 2; ++k) bufs[k].resize(4);
         int es[4] = {elem[combo], elem[combo], state_elem[combo], state_elem[combo]};
@@ -58,10 +60,10 @@ int main() {
         }
         for (int k = 0; k < 2; ++k) {
           const IsaTable& tab = k == 0 ? a : b;
-          Span sp{bufs[k][0].data(), bufs[k][1].data(), bufs[k][2].data(), bufs[k][3].data(), n};
-          SpanFn fn = (floor ? tab.floor : tab.adam)[combo];
-          fn(sp, 0, n, s);
-          fn(sp, 0, n, s);
+          Span sp{bufs[k][0].data(), bufs[k][1].data(), {bufs[k][2].data(), bufs[k][3].data()}, n};
+          SpanFn fn = tab.fn[int(floor ? RuleId::Floor : RuleId::Adam)][combo];
+          fn(sp, 0, n, &s);
+          fn(sp, 0, n, &s);
         }
         bool same = bufs[0] == bufs[1];
         same ? ++passed : ++failed;

@@ -6,7 +6,8 @@ DeepSpeed's optimizers never call a kernel directly: ``FusedAdam`` calls
 The two objects here have exactly those interfaces and forward every update to
 :func:`mps_fused_adam.backends.get_backend`, so the math is the package's numeric contract
 (DESIGN.md section 2) and nothing here does arithmetic of its own, except the rollback, which
-DeepSpeed defines as an algebraic inverse of the step and which no backend provides.
+DeepSpeed defines as an algebraic inverse of the step and which no backend provides (it inverts
+the contract's step, from the contract's own host scalars).
 
 This module does not import DeepSpeed.
 """
@@ -19,7 +20,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from ..backends import get_backend, update_staged
-from ..contract import AdamHyper, kernel_scalars
+from ..contract import AdamHyper, adam_scalars
 
 __all__ = ["FusedAdamOp", "CPUAdamOp", "FUSED_ADAM_OP", "CPU_ADAM_OP", "kernel_calls", "reset_kernel_calls"]
 
@@ -104,7 +105,7 @@ def _update(op: str, params: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
             lists[3].append(v)
         for (device, _, _), (ps, gs, ms, vs) in groups.items():
             backend = get_backend(device)
-            update_staged(backend, ps, gs, ms, vs, hp)
+            update_staged(backend, "adam", ps, gs, [ms, vs], hp)
             _count(op, backend.name)
 
 
@@ -202,23 +203,25 @@ class CPUAdamOp:
                       exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> int:
         """Undo the ``adam_update`` of step ``step`` that used these same arguments; returns 0.
 
-        DeepSpeed's C++ (``adamw_rollback_inplace``, 0.19.8) inverts the AdamW step algebraically
-        from the updated moments, in fp32 and in this order::
+        DeepSpeed defines the rollback as the algebraic inverse of its step, computed in fp32 from
+        the updated moments (``adamw_rollback_inplace``, 0.19.8). This inverts *our* step (the
+        numeric contract v2, ``contract.py``) the same way, with the fp32 scalars the update used
+        (``contract.adam_scalars``), each op rounded separately, in this order::
 
-            p = (p + lr * (m / bc1) / (sqrt(v / bc2) + eps)) / (1 - lr * wd)   # non-finite -> 0
-            m = (m - (1 - beta1) * g) / beta1
-            v = (v - (1 - beta2) * g * g) / beta2
+            denom = sqrt(v) * d2 + eps
+            p = p + step_size * (m / denom)
+            AdamW mode: p = p / decay                      # non-finite -> 0, as DeepSpeed
+            L2 mode:    g = g + wd * p                     # the gradient the moments saw
+            m = (m - omb1 * g) / beta1
+            v = (v - omb2 * (g * g)) / beta2
 
-        with ``bc = 1 - beta ** step`` in fp32. This evaluates the same expressions in the same
-        order, with the fp32 scalars our update used (``contract.kernel_scalars``: ``1 - beta`` and
-        the bias corrections computed in double, then rounded), so it inverts our step rather than
-        DeepSpeed's slightly different rounding of it. Where DeepSpeed ignores the
-        flags (it always bias-corrects and always treats weight decay as decoupled), this honours
-        ``bias_correction=False`` and L2 mode (``adamw_mode=False``), so the rollback inverts the
-        step that was actually taken. Like DeepSpeed, only fp32 tensors can be rolled back (low
-        precision storage cannot be inverted); DeepSpeed then prints an error and returns -1 with
-        nothing changed, after which its caller decrements the step anyway, so this raises instead.
-        The result equals the state before the step up to fp32 rounding, not bit for bit.
+        Where DeepSpeed ignores the flags (it always bias-corrects and always treats weight
+        decay as decoupled), this honours ``bias_correction=False`` and L2 mode
+        (``adamw_mode=False``), so the rollback inverts the step that was actually taken. Like
+        DeepSpeed, only fp32 tensors can be rolled back (low precision storage cannot be
+        inverted); DeepSpeed then prints an error and returns -1 with nothing changed, after which
+        its caller decrements the step anyway, so this raises instead. The result equals the
+        state before the step up to fp32 rounding, not bit for bit.
         """
         cfg = self._config(optimizer_id)
         tensors = dict(params=params, grads=grads, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
@@ -231,19 +234,15 @@ class CPUAdamOp:
         if step < 1:
             raise ValueError(f"mps_fused_adam.deepspeed: adam_rollback needs the step to undo (>= 1), got {step}")
 
-        # The scalars our update used (DESIGN.md section 2), so the rollback inverts our step;
-        # DeepSpeed's rollback uses its own update's float scalars (1.0f - beta1, ...).
-        k = kernel_scalars(AdamHyper(lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(epsilon),
-                                     weight_decay=float(weight_decay), step=step, adam_w_mode=cfg["adamw_mode"],
-                                     bias_correction=bool(bias_correction)))
+        # The scalars our update used (contract v2), so the rollback inverts our step.
+        k = adam_scalars(AdamHyper(lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(epsilon),
+                                   weight_decay=float(weight_decay), step=step, adam_w_mode=cfg["adamw_mode"],
+                                   bias_correction=bool(bias_correction)))
 
-        def f32(x: float) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.float32)
-
-        def div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-            # A true per-element division: torch may turn division by a 0-d tensor into a
-            # multiplication by its reciprocal, which rounds differently from the C++ loop.
-            return a / b.expand_as(a).contiguous()
+        def f32(x: float, like: torch.Tensor) -> torch.Tensor:
+            # A full tensor: torch may turn division by a scalar into a multiplication by its
+            # reciprocal, which rounds differently from a true per-element division.
+            return torch.full(like.shape, x, dtype=torch.float32)
 
         with torch.no_grad():
             p = params.detach()
@@ -251,16 +250,15 @@ class CPUAdamOp:
             g = grads.detach()
             # torch's fp32 sqrt on CPU is not always correctly rounded (Sleef, measured with torch
             # 2.13); C++'s std::sqrt is. sqrt in double, rounded once to fp32, is exact.
-            denom = torch.sqrt(div(v, f32(k.bc2)).double()).float() + f32(k.eps)
-            update = div(f32(k.lr) * div(m, f32(k.bc1)), denom)
+            denom = torch.sqrt(v.double()).float() * f32(k.d2, v) + f32(k.eps, v)
+            new_p = p + f32(k.step_size, p) * (m / denom)
             if k.adam_w_mode:
-                new_p = div(p + update, f32(1.0) - f32(k.lr) * f32(k.weight_decay))
+                new_p = new_p / f32(k.decay, p)
             else:
-                new_p = p + update
-                g = g + f32(k.weight_decay) * new_p  # the L2 step fed g + wd * p_previous into the moments
+                g = g + f32(k.weight_decay, p) * new_p  # the L2 step fed g + wd * p_previous into the moments
             new_p = torch.where(torch.isfinite(new_p), new_p, torch.zeros_like(new_p))
-            new_m = div(m - f32(k.one_minus_beta1) * g, f32(k.beta1))
-            new_v = div(v - f32(k.one_minus_beta2) * g * g, f32(k.beta2))
+            new_m = (m - f32(k.one_minus_beta1, m) * g) / f32(k.beta1, m)
+            new_v = (v - f32(k.one_minus_beta2, v) * (g * g)) / f32(k.beta2, v)
             p.copy_(new_p)
             m.copy_(new_m)
             v.copy_(new_v)

@@ -1,0 +1,46 @@
+// The update rules as functors over one ISA's vectors: the only place the CPU kernel does math.
+// Included by each adam_<isa>.cpp, after it has defined `Vec`, inside a namespace of its own.
+// Each rule: kStates, its Scalars struct (adam_types.h), a constructor from it, and
+// operator()(F& p, F g, F* s) updating the param and its kStates states in place.
+#pragma once
+
+// Adam, numeric contract v2 (contract.py), in exactly the reference's operation order. The
+// sources are built with -ffp-contract=off: a fused multiply-add would round differently from
+// the scalar path, from the Metal kernel and from the Python reference. One sqrt and one
+// division per element; every other scalar comes from the host.
+struct AdamRule {
+  static constexpr int kStates = 2;
+  using Scalars = AdamScalars;
+  using F = Vec::F;
+  F beta1, beta2, omb1, omb2, eps, wd, step_size, d2, decay;
+  bool adam_w_mode, maximize;
+  explicit AdamRule(const Scalars& s)
+      : beta1(Vec::set1(s.beta1)), beta2(Vec::set1(s.beta2)), omb1(Vec::set1(s.one_minus_beta1)),
+        omb2(Vec::set1(s.one_minus_beta2)), eps(Vec::set1(s.eps)), wd(Vec::set1(s.weight_decay)),
+        step_size(Vec::set1(s.step_size)), d2(Vec::set1(s.d2)), decay(Vec::set1(s.decay)),
+        adam_w_mode(s.adam_w_mode != 0), maximize(s.maximize != 0) {}
+  inline void operator()(F& p, F g, F* s) const {
+    F& m = s[0];
+    F& v = s[1];
+    if (maximize) g = Vec::neg(g);
+    if (!adam_w_mode) g = g + wd * p;
+    m = beta1 * m + omb1 * g;
+    v = beta2 * v + omb2 * (g * g);
+    F denom = Vec::sqrt(v) * d2 + eps;
+    if (adam_w_mode) p = p * decay;
+    p = p - step_size * (m / denom);
+  }
+};
+
+// The memory floor: Adam's access pattern (4 reads, 3 in-place writes) with trivial math.
+struct FloorRule {
+  static constexpr int kStates = 2;
+  using Scalars = AdamScalars;
+  using F = Vec::F;
+  explicit FloorRule(const Scalars&) {}
+  inline void operator()(F& p, F g, F* s) const {
+    s[0] = s[0] + g;
+    s[1] = s[1] + g;
+    p = p + s[0];
+  }
+};

@@ -1,0 +1,68 @@
+"""The contract's registry and host scalars, and how close contract v2 is to torch.optim.AdamW.
+
+Version 1 of the contract (``(m / bc1) / (sqrt(v / bc2) + eps)``, three divisions) is kept here
+only as the baseline that version 2 must not fall behind in agreement with torch.
+"""
+from __future__ import annotations
+
+import math
+import struct
+
+import torch
+
+from mps_fused_adam import backends
+from mps_fused_adam.contract import RULES, AdamHyper, adam_scalars, rule
+from mps_fused_adam.reference import REFERENCES
+from mps_fused_adam.selfcheck import torch_agreement
+
+
+def f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def test_every_rule_is_complete():
+    """Each rule of the registry has a reference, a foreach form and a packable scalar struct."""
+    for name, r in RULES.items():
+        assert r.name == name and r.states and name in REFERENCES
+        assert name in backends.ForeachBackend.RULES
+    assert rule("adam").states == ("exp_avg", "exp_avg_sq")
+    try:
+        rule("lion?")
+    except KeyError as e:
+        assert "known: adam" in str(e)
+    else:
+        raise AssertionError("unknown rule accepted")
+
+
+def test_adam_host_scalars_are_double_rounded_once():
+    hp = AdamHyper(lr=3e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=10_000)
+    s = adam_scalars(hp)
+    bc1, bc2 = 1 - 0.9 ** 10_000, 1 - 0.999 ** 10_000
+    assert s.step_size == f32(3e-4 / bc1) and s.d2 == f32(1 / math.sqrt(bc2))
+    assert s.decay == f32(1 - 3e-4 * 0.1) and s.one_minus_beta2 == f32(1 - 0.999)
+    assert (s.adam_w_mode, s.maximize) == (1, 0)
+    l2 = adam_scalars(AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.5, 1, adam_w_mode=False, bias_correction=False))
+    assert (l2.step_size, l2.d2, l2.decay, l2.adam_w_mode) == (f32(1e-2), 1.0, 1.0, 0)
+    assert len(RULES["adam"].pack(hp)) == 44
+
+
+def _contract_v1_adamw_(p, g, m, v, hp):
+    """Contract version 1 (before 2026-11), for comparison only: bias corrections divided per
+    element, weight decay added to the update."""
+    one = lambda x: torch.full_like(p, f32(x))  # noqa: E731
+    bc1, bc2 = 1 - hp.beta1 ** hp.step, 1 - hp.beta2 ** hp.step
+    m.copy_(one(hp.beta1) * m + one(1 - hp.beta1) * g)
+    v.copy_(one(hp.beta2) * v + one(1 - hp.beta2) * g * g)
+    denom = torch.sqrt((v / one(bc2)).double()).float() + one(hp.eps)
+    update = (m / one(bc1)) / denom + one(hp.weight_decay) * p
+    p.copy_(p - one(hp.lr) * update)
+
+
+def test_agreement_with_torch_adamw_got_no_worse(capsys):
+    v1 = torch_agreement(_contract_v1_adamw_, n=20_000)
+    v2 = torch_agreement(n=20_000)
+    with capsys.disabled():
+        print(f"\nagreement with torch.optim.AdamW after 100 fp32 steps, 20K params: v1 {v1}\n  v2 {v2}")
+    assert v2["mean_ulps"] <= v1["mean_ulps"] and v2["identical"] >= v1["identical"]
+    assert v2["max_in_eps"] <= v1["max_in_eps"]
+    assert v2["max_in_eps"] < 8  # the contract's bound for implementations that order math differently
