@@ -48,6 +48,8 @@ from typing import NamedTuple
 
 import torch
 
+from .contract import adam_scalars
+
 BLOCK = 256
 MIN_8BIT_SIZE = 4096
 SIGNED_ZERO_CODE = 127  # index of 0.0 in the signed map
@@ -134,19 +136,6 @@ class Adam8bitScalars(NamedTuple):
     maximize: int
 
 
-def v2_host_scalars(hp) -> tuple[float, float, float]:
-    """``(step_size, d2, decay)`` of contract v2, in double and rounded once to fp32 each."""
-    if hp.bias_correction:
-        bc1 = 1.0 - hp.beta1 ** hp.step
-        bc2 = 1.0 - hp.beta2 ** hp.step
-    else:
-        bc1 = bc2 = 1.0
-    step_size = _f32(hp.lr / bc1)
-    d2 = _f32(1.0 / math.sqrt(bc2))
-    decay = _f32(1.0 - hp.lr * hp.weight_decay if hp.adam_w_mode else 1.0)
-    return step_size, d2, decay
-
-
 def normalized_step_bound(beta1: float, beta2: float, step: int, bias_correction: bool) -> float:
     """The largest ``|m| * sqrt(bc2) / sqrt(v)`` exact Adam can reach at ``step`` (Cauchy-Schwarz
     over the gradient history), in double."""
@@ -165,13 +154,12 @@ def normalized_step_bound(beta1: float, beta2: float, step: int, bias_correction
 
 
 def adam8bit_scalars(hp) -> Adam8bitScalars:
-    """The fp32 scalars of one 8-bit Adam call for :class:`~.contract.AdamHyper` ``hp``."""
-    step_size, d2, decay = v2_host_scalars(hp)
+    """The fp32 scalars of one 8-bit Adam call for :class:`~.contract.AdamHyper` ``hp``:
+    ``contract.adam_scalars(hp)`` with the clamp inserted after ``decay``."""
+    a = adam_scalars(hp)
     bound = normalized_step_bound(hp.beta1, hp.beta2, hp.step, hp.bias_correction) * CLIP_MARGIN
     clip = math.inf if bound > 3.4e38 else _f32_up(bound)
-    return Adam8bitScalars(
-        _f32(hp.beta1), _f32(hp.beta2), _f32(1.0 - hp.beta1), _f32(1.0 - hp.beta2), _f32(hp.eps),
-        _f32(hp.weight_decay), step_size, d2, decay, clip, int(bool(hp.adam_w_mode)), int(bool(hp.maximize)))
+    return Adam8bitScalars(*a[:9], clip, *a[9:])
 
 
 # ---- stochastic rounding: a counter-based hash -------------------------------------------------

@@ -126,7 +126,8 @@ class _AdamBase(torch.optim.Optimizer):
                 bucket[3].append(st["exp_avg_sq"])
                 bucket[4].append(st)
             beta1, beta2 = group["betas"]
-            for (device, _, _, last_step), (ps, gs, ms, vs, states) in buckets.items():
+            sr = group.get("bf16_stochastic_round", False)
+            for (device, pdtype, _, last_step), (ps, gs, ms, vs, states) in buckets.items():
                 step = int(last_step) + 1
                 for st in states:
                     st["step"] = step
@@ -134,7 +135,10 @@ class _AdamBase(torch.optim.Optimizer):
                                weight_decay=float(group["weight_decay"]), step=step,
                                adam_w_mode=bool(group["adam_w_mode"]), bias_correction=bool(group["bias_correction"]),
                                maximize=bool(group["maximize"]))
-                update_staged(get_backend(device), self._rule, ps, gs, [ms, vs], hp)
+                if sr and pdtype is torch.bfloat16:
+                    _stochastic_round_step(ps, gs, ms, vs, states, hp)
+                else:
+                    update_staged(get_backend(device), self._rule, ps, gs, [ms, vs], hp)
         return loss
 
     def _plan_group(self, gi: int, group: dict[str, Any]) -> tuple[dict[str, Any], list, dict]:
@@ -198,6 +202,18 @@ class _AdamBase(torch.optim.Optimizer):
         return group, fresh, buckets
 
 
+def _stochastic_round_step(ps: list, gs: list, ms: list, vs: list, states: list, hp: AdamHyper) -> None:
+    """Adam with bf16 params stored by stochastic rounding (lowbit.py's contract), one tensor at a
+    time on the plain-torch path (no fused kernel for this option yet). Each param gets its own
+    64-bit seed in its state (``sr_seed``) on its first such step."""
+    from . import lowbit
+    from .reference_lowbit import reference_adam_sr_
+    for p, g, m, v, st in zip(ps, gs, ms, vs, states):
+        if "sr_seed" not in st:
+            st["sr_seed"] = lowbit.new_sr_seed()
+        reference_adam_sr_(p, g, m, v, hp, lowbit.sr_key(int(st["sr_seed"]), hp.step))
+
+
 def _reject(option: str, value: Any, cls: str) -> None:
     raise ValueError(f"{cls} does not support {option}={value!r}; mps_fused_adam implements plain Adam "
                      f"(use torch.optim.{cls} for {option})")
@@ -206,7 +222,11 @@ def _reject(option: str, value: Any, cls: str) -> None:
 class Adam(_AdamBase):
     """Drop-in for ``torch.optim.Adam``: same arguments and defaults, L2 weight decay unless
     ``decoupled_weight_decay=True``. ``foreach`` and ``fused`` are accepted and ignored (this is
-    always fused); ``amsgrad``, ``capturable`` and ``differentiable`` are rejected."""
+    always fused); ``amsgrad``, ``capturable`` and ``differentiable`` are rejected.
+
+    ``bf16_stochastic_round=True``: bf16 parameters are stored from the fp32 update by stochastic
+    rounding (unbiased; random bits from a hash of the param's ``sr_seed`` state, the step and the
+    element index: reproducible under ``torch.manual_seed``); other dtypes are unaffected."""
 
     _name = "Adam"
 
@@ -214,11 +234,11 @@ class Adam(_AdamBase):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0,
                  amsgrad: bool = False, *, foreach: Optional[bool] = None, maximize: bool = False,
                  capturable: bool = False, differentiable: bool = False, fused: Optional[bool] = None,
-                 decoupled_weight_decay: bool = False) -> None:
+                 decoupled_weight_decay: bool = False, bf16_stochastic_round: bool = False) -> None:
         self._check_unsupported(amsgrad, capturable, differentiable)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                       adam_w_mode=decoupled_weight_decay, bias_correction=True,
-                                      maximize=maximize))
+                                      maximize=maximize, bf16_stochastic_round=bool(bf16_stochastic_round)))
 
     def _check_unsupported(self, amsgrad: bool, capturable: bool, differentiable: bool) -> None:
         for option, value in (("amsgrad", amsgrad), ("capturable", capturable), ("differentiable", differentiable)):
@@ -234,24 +254,28 @@ class AdamW(Adam):
     def __init__(self, params: _Params, lr: float | torch.Tensor = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
                  amsgrad: bool = False, *, maximize: bool = False, foreach: Optional[bool] = None,
-                 capturable: bool = False, differentiable: bool = False, fused: Optional[bool] = None) -> None:
+                 capturable: bool = False, differentiable: bool = False, fused: Optional[bool] = None,
+                 bf16_stochastic_round: bool = False) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          maximize=maximize, capturable=capturable, differentiable=differentiable,
-                         decoupled_weight_decay=True)
+                         decoupled_weight_decay=True, bf16_stochastic_round=bf16_stochastic_round)
 
 
 class FusedAdam(_AdamBase):
     """DeepSpeed's ``FusedAdam`` signature, on any device: Metal on MPS, the C++ kernel on CPU,
-    torch's fused kernel or the fp32 foreach tier elsewhere. States are kept in the param dtype."""
+    torch's fused kernel or the fp32 foreach tier elsewhere. States are kept in the param dtype.
+    ``bf16_stochastic_round=True`` as for :class:`Adam`."""
 
     def __init__(self, params: _Params, lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
-                 weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True) -> None:
+                 weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True,
+                 bf16_stochastic_round: bool = False) -> None:
         if amsgrad:
             raise ValueError("FusedAdam does not support the AMSGrad variant (amsgrad=True)")
         self.set_grad_none = set_grad_none
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                      adam_w_mode=adam_w_mode, bias_correction=bias_correction, maximize=False))
+                                      adam_w_mode=adam_w_mode, bias_correction=bias_correction, maximize=False,
+                                      bf16_stochastic_round=bool(bf16_stochastic_round)))
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)

@@ -12,6 +12,7 @@ import torch
 
 from . import lowbit
 from .lowbit import BLOCK
+from .reference import reference_adam_
 
 
 def _full(like: torch.Tensor, x: float) -> torch.Tensor:
@@ -120,10 +121,9 @@ def reference_adam8bit_(param: torch.Tensor, grad: torch.Tensor, exp_avg_codes: 
 @torch.no_grad()
 def reference_adam_sr_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                        exp_avg_sq: torch.Tensor, hp, sr_key: Optional[int]) -> None:
-    """One Adam v2 step with full-precision (or param-dtype) states; the bf16 param stored by
-    stochastic rounding with ``sr_key`` (round to nearest even for other dtypes or no key)."""
-    s = lowbit.adam8bit_scalars(hp)  # its first fields are contract v2's Adam scalars
-    p, m, v = adam_elements(param.detach().float(), grad.detach().float(), exp_avg.float(), exp_avg_sq.float(), s)
-    exp_avg.copy_(m)
-    exp_avg_sq.copy_(v)
-    store_param_(param, p, sr_key)
+    """One Adam v2 step (``reference.reference_adam_``, states rounded to their dtype) whose new
+    parameter, kept in fp32, is stored by stochastic rounding with ``sr_key`` for bf16 params
+    (round to nearest even for other dtypes or without a key)."""
+    p32 = param.detach().float().clone()
+    reference_adam_(p32, grad, exp_avg, exp_avg_sq, hp)
+    store_param_(param, p32, sr_key)
