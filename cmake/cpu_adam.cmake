@@ -37,7 +37,7 @@ else()
 endif()
 
 nanobind_add_module(_cpu NB_STATIC
-  src/cpu/bindings.cpp src/cpu/dispatch.cpp src/cpu/step.cpp src/cpu/thread_pool.cpp ${MFA_ISA_OBJECTS})
+  src/cpu/bindings.cpp src/cpu/adam8bit.cpp src/cpu/dispatch.cpp src/cpu/step.cpp src/cpu/thread_pool.cpp ${MFA_ISA_OBJECTS})
 target_compile_options(_cpu PRIVATE ${MFA_CPU_MATH_FLAGS})
 find_package(Threads REQUIRED)
 target_link_libraries(_cpu PRIVATE Threads::Threads)

@@ -162,6 +162,25 @@ def adam8bit_scalars(hp) -> Adam8bitScalars:
     return Adam8bitScalars(*a[:9], clip, *a[9:])
 
 
+ADAM8BIT_STRUCT = "<10f2I"  # the kernels' Adam8bitScalars: 48 bytes, little-endian
+
+
+def pack_adam8bit(hp) -> bytes:
+    """:func:`adam8bit_scalars` as the C++ and Metal kernels read them."""
+    return struct.pack(ADAM8BIT_STRUCT, *adam8bit_scalars(hp))
+
+
+@lru_cache(maxsize=None)
+def _kernel_table_cpu(signed: bool) -> torch.Tensor:
+    return torch.cat([_dynamic_map_cpu(signed), _midpoints_cpu(signed)]).contiguous()
+
+
+def kernel_table(signed: bool, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The kernels' table of one map: its 256 code values, then its 255 midpoints (511 fp32)."""
+    t = _kernel_table_cpu(bool(signed))
+    return t if torch.device(device).type == "cpu" else t.to(device)
+
+
 # ---- stochastic rounding: a counter-based hash -------------------------------------------------
 
 def fmix32(x: int) -> int:

@@ -13,7 +13,9 @@ import torch
 from . import lowbit, validate
 from .contract import AdamHyper
 from .lowbit import MIN_8BIT_SIZE, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE, num_blocks
+from .backends import get_backend, update_staged
 from .optim import _optimizer_method
+from .reference_lowbit import reference_adam8bit_, reference_adam_sr_
 
 _Params = Iterable[Any]
 
@@ -144,14 +146,43 @@ class _Adam8bitBase(torch.optim.Optimizer):
         return loss
 
 
+_PARAM_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
 def _update(p: torch.Tensor, g: torch.Tensor, st: dict[str, Any], hp: AdamHyper, sr_key: Optional[int]) -> None:
-    """One tensor's update on its device's implementation of the rule."""
-    from .reference_lowbit import reference_adam8bit_, reference_adam_sr_
+    """One tensor's update on its device's implementation of the rule: the ``_cpu`` extension's
+    8-bit kernel for CPU tensors, the plain-torch reference elsewhere (a correct, not fast, path;
+    untested on MPS). Moments below min_8bit_size use the backends' Adam kernel, or the torch
+    stochastic-rounding path when that option is on."""
     if "exp_avg_codes" in st:
-        reference_adam8bit_(p, g, st["exp_avg_codes"], st["exp_avg_absmax"], st["exp_avg_sq_codes"],
-                            st["exp_avg_sq_absmax"], hp, sr_key)
-    else:
+        if p.is_cpu and _cpu_ext() is not None:
+            _cpu_adam8bit(p, g, st, hp, sr_key)
+        else:
+            reference_adam8bit_(p, g, st["exp_avg_codes"], st["exp_avg_absmax"], st["exp_avg_sq_codes"],
+                                st["exp_avg_sq_absmax"], hp, sr_key)
+    elif sr_key is not None:
         reference_adam_sr_(p, g, st["exp_avg"], st["exp_avg_sq"], hp, sr_key)
+    else:
+        update_staged(get_backend(p.device), "adam", [p], [g], [[st["exp_avg"]], [st["exp_avg_sq"]]], hp)
+
+
+def _cpu_ext() -> Any:
+    try:
+        from . import _cpu
+    except ImportError:
+        return None
+    return _cpu if hasattr(_cpu, "adam8bit_step") else None
+
+
+def _cpu_adam8bit(p: torch.Tensor, g: torch.Tensor, st: dict[str, Any], hp: AdamHyper, sr_key: Optional[int]) -> None:
+    pc, gc = p.contiguous(), g.contiguous()  # codes and scales are always contiguous (ours)
+    _cpu_ext().adam8bit_step(
+        pc.data_ptr(), gc.data_ptr(), st["exp_avg_codes"].data_ptr(), st["exp_avg_absmax"].data_ptr(),
+        st["exp_avg_sq_codes"].data_ptr(), st["exp_avg_sq_absmax"].data_ptr(), p.numel(), _PARAM_CODES[p.dtype],
+        lowbit.kernel_table(True).data_ptr(), lowbit.kernel_table(False).data_ptr(), lowbit.pack_adam8bit(hp),
+        0 if sr_key is None else sr_key, sr_key is not None, torch.get_num_threads())
+    if pc is not p:
+        p.copy_(pc)
 
 
 def _check_bnb_options(cls: str, optim_bits: int, args: Any, is_paged: bool, percentile_clipping: int,

@@ -17,6 +17,10 @@
 namespace nb = nanobind;
 using namespace mfa;
 
+namespace mfa {
+void register_adam8bit(nb::module_& m);  // adam8bit.cpp: the 8-bit block-wise Adam step
+}
+
 namespace {
 
 Combo combo_of(int param_dtype, int state_dtype) {
@@ -119,5 +123,6 @@ NB_MODULE(_cpu, m) {
     return names;
   }, "The SIMD builds this CPU can run, best first.");
   m.def("set_simd_path", [](const std::string& name) { set_active_isa(name); }, "Select a SIMD build by name.");
+  register_adam8bit(m);
   m.def("pool_size", [] { return ThreadPool::instance().size(); }, "Threads in the pool, the caller included.");
 }
