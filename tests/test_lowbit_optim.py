@@ -248,3 +248,20 @@ def test_conversion_rejects_a_foreign_map():
           "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "params": [0]}]}
     with pytest.raises(ValueError, match="qmap1 is not bitsandbytes' dynamic map"):
         bnb_compat.from_bitsandbytes(sd)
+
+
+def test_readme_low_bit_example_runs():
+    import re
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("## Low-bit training"):text.index("## The CPU kernel")]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert blocks
+    scope: dict = {}
+    exec(blocks[0], scope)
+    for opt, model in ((scope["opt"], scope["model"]), (scope["opt_bf16"], scope["bf16_model"])):
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+    assert "exp_avg_codes" in scope["opt"].state[scope["model"].weight]  # 65,536 elements: 8-bit
+    assert "sr_seed" in scope["opt_bf16"].state[scope["bf16_model"].weight]
