@@ -91,3 +91,34 @@ def test_rejects_bad_arguments():
         _cpu.adam8bit_step(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, b"x", 0, False, 1)
     with pytest.raises(ValueError, match="param dtype code"):
         _cpu.adam8bit_step(0, 0, 0, 0, 0, 0, 0, 7, 0, 0, b"\0" * 48, 0, False, 1)
+
+
+# ---- bf16 stochastic rounding in the Adam span loop -------------------------------------------
+
+@pytest.mark.parametrize("sdtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", [1, 7, 33, 4097, 100_003])
+def test_adam_stochastic_rounding_kernel_matches_reference(simd, sdtype, n):
+    from mps_fused_adam.backends import CPUBackend
+    from mps_fused_adam.reference_lowbit import reference_adam_sr_
+    gen = torch.Generator().manual_seed(n)
+    p = torch.randn(n, generator=gen).bfloat16()
+    m, v = torch.zeros(n, dtype=sdtype), torch.zeros(n, dtype=sdtype)
+    ours, ref = [p.clone(), m.clone(), v.clone()], [p.clone(), m.clone(), v.clone()]
+    for step in (1, 2, 3):
+        g = torch.randn(n, generator=gen).bfloat16()
+        if step == 2:
+            g[0] = float("nan")
+        hp = AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, step)
+        key = lowbit.sr_key(99, step)
+        CPUBackend().update("adam", [ours[0]], [g], [[ours[1]], [ours[2]]], hp, sr_keys=[key])
+        reference_adam_sr_(ref[0], g, ref[1], ref[2], hp, key)
+    assert torch.equal(ours[0].view(torch.int16), ref[0].view(torch.int16))  # NaN param: 0x7FC0 in both
+    # Moments: bit for bit, except that a NaN's sign and payload are not part of the contract.
+    for a, b in zip(ours[1:], ref[1:]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(ours[0][0].float())
+
+
+def test_stochastic_rounding_needs_bf16_params():
+    with pytest.raises(ValueError, match="needs bfloat16 params"):
+        _cpu.step("adam", [0], [0], [[0], [0]], [0], 0, 0, b"\0" * 44, 1, [1])

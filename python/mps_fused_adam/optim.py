@@ -136,7 +136,7 @@ class _AdamBase(torch.optim.Optimizer):
                                adam_w_mode=bool(group["adam_w_mode"]), bias_correction=bool(group["bias_correction"]),
                                maximize=bool(group["maximize"]))
                 if sr and pdtype is torch.bfloat16:
-                    _stochastic_round_step(ps, gs, ms, vs, states, hp)
+                    _stochastic_round_step(device, ps, gs, ms, vs, states, hp)
                 else:
                     update_staged(get_backend(device), self._rule, ps, gs, [ms, vs], hp)
         return loss
@@ -202,16 +202,25 @@ class _AdamBase(torch.optim.Optimizer):
         return group, fresh, buckets
 
 
-def _stochastic_round_step(ps: list, gs: list, ms: list, vs: list, states: list, hp: AdamHyper) -> None:
-    """Adam with bf16 params stored by stochastic rounding (lowbit.py's contract), one tensor at a
-    time on the plain-torch path (no fused kernel for this option yet). Each param gets its own
-    64-bit seed in its state (``sr_seed``) on its first such step."""
+def _stochastic_round_step(device: torch.device, ps: list, gs: list, ms: list, vs: list, states: list,
+                           hp: AdamHyper) -> None:
+    """Adam with bf16 params stored by stochastic rounding (lowbit.py's contract): the CPU kernel
+    for contiguous CPU tensors, else the plain-torch reference one tensor at a time (no Metal
+    kernel for this option yet). Each param gets its own 64-bit seed in its state (``sr_seed``)
+    on its first such step."""
     from . import lowbit
+    from .backends import CPUBackend
     from .reference_lowbit import reference_adam_sr_
-    for p, g, m, v, st in zip(ps, gs, ms, vs, states):
+    for st in states:
         if "sr_seed" not in st:
             st["sr_seed"] = lowbit.new_sr_seed()
-        reference_adam_sr_(p, g, m, v, hp, lowbit.sr_key(int(st["sr_seed"]), hp.step))
+    keys = [lowbit.sr_key(int(st["sr_seed"]), hp.step) for st in states]
+    backend = get_backend(device)
+    if isinstance(backend, CPUBackend) and all(t.is_contiguous() for lst in (ps, gs, ms, vs) for t in lst):
+        backend.update("adam", ps, gs, [ms, vs], hp, sr_keys=keys)
+        return
+    for p, g, m, v, key in zip(ps, gs, ms, vs, keys):
+        reference_adam_sr_(p, g, m, v, hp, key)
 
 
 def _reject(option: str, value: Any, cls: str) -> None:

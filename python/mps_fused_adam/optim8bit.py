@@ -13,7 +13,7 @@ import torch
 from . import lowbit, validate
 from .contract import AdamHyper
 from .lowbit import MIN_8BIT_SIZE, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE, num_blocks
-from .backends import get_backend, update_staged
+from .backends import CPUBackend, get_backend, update_staged
 from .optim import _optimizer_method
 from .reference_lowbit import reference_adam8bit_, reference_adam_sr_
 
@@ -161,7 +161,11 @@ def _update(p: torch.Tensor, g: torch.Tensor, st: dict[str, Any], hp: AdamHyper,
             reference_adam8bit_(p, g, st["exp_avg_codes"], st["exp_avg_absmax"], st["exp_avg_sq_codes"],
                                 st["exp_avg_sq_absmax"], hp, sr_key)
     elif sr_key is not None:
-        reference_adam_sr_(p, g, st["exp_avg"], st["exp_avg_sq"], hp, sr_key)
+        backend = get_backend(p.device)
+        if isinstance(backend, CPUBackend) and p.is_contiguous() and g.is_contiguous():
+            backend.update("adam", [p], [g], [[st["exp_avg"]], [st["exp_avg_sq"]]], hp, sr_keys=[sr_key])
+        else:
+            reference_adam_sr_(p, g, st["exp_avg"], st["exp_avg_sq"], hp, sr_key)
     else:
         update_staged(get_backend(p.device), "adam", [p], [g], [[st["exp_avg"]], [st["exp_avg_sq"]]], hp)
 

@@ -6,12 +6,43 @@
 
 #include "rules.h"
 
-template <class Rule, class P, class S>
+// Param storage: P is the storage type, except bf16sr, which is bf16 in memory and stores by
+// stochastic rounding (lowbit.py). The random bits come from a plain loop over the W lanes that
+// the compiler vectorizes for each ISA's flags; the result does not depend on the ISA.
+template <class P> struct ParamStorage {
+  using T = P;
+  static inline void store(T* dst, typename Vec::F x, uint32_t, int64_t) { Vec::store(dst, x); }
+};
+template <> struct ParamStorage<bf16sr> {
+  using T = bf16;
+  static inline void store(T* dst, typename Vec::F x, uint32_t key, int64_t index) {
+    constexpr int W = Vec::W;
+    float tmp[W];
+    Vec::store(tmp, x);
+    const uint32_t hi = uint32_t(uint64_t(index) >> 32) * 0x85EBCA77u;
+    for (int k = 0; k < W; ++k) {
+      uint32_t u;
+      __builtin_memcpy(&u, &tmp[k], 4);
+      uint32_t h = key ^ (uint32_t(uint64_t(index) + uint64_t(k)) * 0x9E3779B9u) ^ hi;
+      h ^= h >> 16;
+      h *= 0x85EBCA6Bu;
+      h ^= h >> 13;
+      h *= 0xC2B2AE35u;
+      h ^= h >> 16;
+      const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+      dst[k].bits = nan ? uint16_t(0x7FC0) : uint16_t((u + (h >> 16)) >> 16);
+    }
+  }
+};
+
+template <class Rule, class PS, class S>
 void span_kernel(const Span& sp, int64_t begin, int64_t end, const void* scalars) {
   constexpr int W = Vec::W;
   constexpr int K = Rule::kStates;
   using F = typename Vec::F;
+  using P = typename ParamStorage<PS>::T;
   const Rule rule(*static_cast<const typename Rule::Scalars*>(scalars));
+  const uint32_t key = sp.sr_key;
   P* p = static_cast<P*>(sp.param);
   const P* g = static_cast<const P*>(sp.grad);
   S* st[K];
@@ -27,8 +58,8 @@ void span_kernel(const Span& sp, int64_t begin, int64_t end, const void* scalars
     }
     rule(p0, Vec::load(g + i), s0);
     rule(p1, Vec::load(g + i + W), s1);
-    Vec::store(p + i, p0);
-    Vec::store(p + i + W, p1);
+    ParamStorage<PS>::store(p + i, p0, key, i);
+    ParamStorage<PS>::store(p + i + W, p1, key, i + W);
     for (int k = 0; k < K; ++k) {
       Vec::store(st[k] + i, s0[k]);
       Vec::store(st[k] + i + W, s1[k]);
@@ -38,7 +69,7 @@ void span_kernel(const Span& sp, int64_t begin, int64_t end, const void* scalars
     F pv = Vec::load(p + i), sv[K];
     for (int k = 0; k < K; ++k) sv[k] = Vec::load(st[k] + i);
     rule(pv, Vec::load(g + i), sv);
-    Vec::store(p + i, pv);
+    ParamStorage<PS>::store(p + i, pv, key, i);
     for (int k = 0; k < K; ++k) Vec::store(st[k] + i, sv[k]);
   }
   if (i < end) {
@@ -55,7 +86,7 @@ void span_kernel(const Span& sp, int64_t begin, int64_t end, const void* scalars
     F pv = Vec::load(pb), sv[K];
     for (int k = 0; k < K; ++k) sv[k] = Vec::load(sb[k]);
     rule(pv, Vec::load(gb), sv);
-    Vec::store(pb, pv);
+    ParamStorage<PS>::store(pb, pv, key, i);  // pb[j] is element i + j
     for (int k = 0; k < K; ++k) Vec::store(sb[k], sv[k]);
     for (int64_t j = 0; j < r; ++j) {
       p[i + j] = pb[j];
@@ -71,6 +102,8 @@ inline void fill_row(SpanFn (&row)[static_cast<int>(Combo::Count)]) {
   row[int(Combo::F16_F16)] = span_kernel<Rule, mfa::f16, mfa::f16>;
   row[int(Combo::BF16_F32)] = span_kernel<Rule, mfa::bf16, float>;
   row[int(Combo::BF16_BF16)] = span_kernel<Rule, mfa::bf16, mfa::bf16>;
+  row[int(Combo::BF16SR_F32)] = span_kernel<Rule, mfa::bf16sr, float>;
+  row[int(Combo::BF16SR_BF16)] = span_kernel<Rule, mfa::bf16sr, mfa::bf16>;
 }
 
 inline IsaTable make_table(const char* name) {
