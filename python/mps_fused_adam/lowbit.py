@@ -170,13 +170,28 @@ def pack_adam8bit(hp) -> bytes:
     return struct.pack(ADAM8BIT_STRUCT, *adam8bit_scalars(hp))
 
 
+QUANT_BUCKET_SHIFT = 20  # the quantizer's start table: one entry per 2^20 fp32 bit patterns
+
+
+def _order_keys(x: torch.Tensor) -> torch.Tensor:
+    """fp32 values as int64 keys in the order of the values (sign-magnitude bits made monotonic)."""
+    u = x.contiguous().view(torch.int32).to(torch.int64) & _M32
+    return torch.where(u >= 0x80000000, _M32 - u, u | 0x80000000)
+
+
 @lru_cache(maxsize=None)
 def _kernel_table_cpu(signed: bool) -> torch.Tensor:
-    return torch.cat([_dynamic_map_cpu(signed), _midpoints_cpu(signed)]).contiguous()
+    mids = _midpoints_cpu(signed)
+    starts = torch.arange(1 << (32 - QUANT_BUCKET_SHIFT), dtype=torch.int64) << QUANT_BUCKET_SHIFT
+    # For each bucket of order keys, the midpoints strictly below all of it: a quantizer starts
+    # there and steps up while mid < x (a few steps), instead of searching all 255.
+    counts = torch.searchsorted(_order_keys(mids), starts, right=False).float()
+    return torch.cat([_dynamic_map_cpu(signed), mids, torch.zeros(1), counts]).contiguous()
 
 
 def kernel_table(signed: bool, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The kernels' table of one map: its 256 code values, then its 255 midpoints (511 fp32)."""
+    """The kernels' table of one map (fp32): its 256 code values, its 255 midpoints, one pad
+    entry, then 4096 quantizer start counts (small integers, exact in fp32)."""
     t = _kernel_table_cpu(bool(signed))
     return t if torch.device(device).type == "cpu" else t.to(device)
 

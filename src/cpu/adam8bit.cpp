@@ -47,8 +47,10 @@ struct Job {
   int64_t n;
   const float* map1;  // 256 code values (signed map), then 255 midpoints
   const float* mid1;
+  const float* start1;
   const float* map2;
   const float* mid2;
+  const float* start2;
   Adam8bitScalars s;
   uint32_t sr_key;
   bool sr;
@@ -85,11 +87,16 @@ inline void store_param(bf16* p, float x, const Job& job, int64_t i) {
 }
 
 // The number of midpoints strictly below x: the nearest code, ties to the lower one, NaN -> 0.
-inline uint32_t code_of(float x, const float* mid) {
-  uint32_t pos = 0;
-  for (uint32_t step = 128; step > 0; step >>= 1)
-    if (pos + step <= kCodes - 1 && mid[pos + step - 1] < x) pos += step;
-  return pos;
+// `start` (lowbit.kernel_table) holds, per 2^20 fp32 bit patterns in value order, the count of
+// midpoints below the whole bucket; a few steps up from there find x's count.
+inline uint32_t code_of(float x, const float* mid, const float* start) {
+  if (x != x) return 0;
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  const uint32_t key = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  uint32_t c = uint32_t(start[key >> 20]);
+  while (c < kCodes - 1 && mid[c] < x) ++c;
+  return c;
 }
 
 // max(|x|) that turns NaN once any element is NaN (as torch's amax does).
@@ -127,9 +134,9 @@ void run_block(const Job& job, int64_t b) {
   const float inv1 = mx1 == 0.0f ? 0.0f : 1.0f / mx1;
   const float inv2 = mx2 == 0.0f ? 0.0f : 1.0f / mx2;
   for (int64_t i = lo; i < hi; ++i) {
-    job.codes1[i] = uint8_t(code_of(mb[i - lo] * inv1, job.mid1));
+    job.codes1[i] = uint8_t(code_of(mb[i - lo] * inv1, job.mid1, job.start1));
     const float x2 = vb[i - lo] * inv2;
-    uint32_t c2 = code_of(x2, job.mid2);
+    uint32_t c2 = code_of(x2, job.mid2, job.start2);
     if (c2 == 0 && x2 > 0.0f) c2 = 1;  // a positive second moment is never stored as zero
     job.codes2[i] = uint8_t(c2);
   }
@@ -169,8 +176,10 @@ void adam8bit_step(uintptr_t param, uintptr_t grad, uintptr_t codes1, uintptr_t 
   job.n = n;
   job.map1 = ptr<const float>(map1);
   job.mid1 = job.map1 + kCodes;
+  job.start1 = job.map1 + 2 * kCodes;
   job.map2 = ptr<const float>(map2);
   job.mid2 = job.map2 + kCodes;
+  job.start2 = job.map2 + 2 * kCodes;
   std::memcpy(&job.s, scalars.c_str(), sizeof job.s);
   job.sr_key = sr_key;
   job.sr = sr && param_dtype == 2;
@@ -192,7 +201,7 @@ void register_adam8bit(nb::module_& m) {
         nb::arg("num_threads"),
         "One 8-bit block-wise Adam step over one contiguous tensor given as host addresses: codes\n"
         "(uint8) and block scales (fp32) of both moments; map1/map2 hold the 256 code values followed\n"
-        "by the 255 midpoints (lowbit.kernel_table); scalars is lowbit.pack_adam8bit(hyper); with sr,\n"
+        "by the 255 midpoints, a pad and the start counts (lowbit.kernel_table); scalars is lowbit.pack_adam8bit(hyper); with sr,\n"
         "a bf16 param is stored by stochastic rounding with sr_key. Releases the GIL.");
 }
 
