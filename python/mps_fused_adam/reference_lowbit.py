@@ -99,13 +99,32 @@ def store_param_(param: torch.Tensor, p32: torch.Tensor, sr_key: Optional[int]) 
         param.copy_(p32)
 
 
+def _via_cpu(fn, *tensors_then_rest):
+    """Run ``fn`` on CPU copies of the leading tensors and write them back: for devices without
+    float64 (MPS), which the reference's correctly rounded sqrt needs."""
+    n = sum(isinstance(t, torch.Tensor) for t in tensors_then_rest)
+    tensors, rest = tensors_then_rest[:n], tensors_then_rest[n:]
+    copies = [t.detach().cpu().clone() for t in tensors]
+    fn(*copies, *rest)
+    with torch.no_grad():
+        for t, c in zip(tensors, copies):
+            t.copy_(c.to(t.device))
+
+
+def _needs_cpu(t: torch.Tensor) -> bool:
+    return t.device.type == "mps"
+
+
 @torch.no_grad()
 def reference_adam8bit_(param: torch.Tensor, grad: torch.Tensor, exp_avg_codes: torch.Tensor,
                         exp_avg_absmax: torch.Tensor, exp_avg_sq_codes: torch.Tensor,
                         exp_avg_sq_absmax: torch.Tensor, hp, sr_key: Optional[int] = None) -> None:
     """One 8-bit Adam step in place (``hp``: :class:`~.contract.AdamHyper`): dequantize, Adam v2
     with the clamp, new block scales, re-quantize; the param stored in its dtype (stochastically
-    for bf16 with ``sr_key``)."""
+    for bf16 with ``sr_key``). On MPS the same ops run on CPU copies (no float64 there)."""
+    if _needs_cpu(param):
+        return _via_cpu(reference_adam8bit_, param, grad, exp_avg_codes, exp_avg_absmax, exp_avg_sq_codes,
+                        exp_avg_sq_absmax, hp, sr_key)
     s = lowbit.adam8bit_scalars(hp)
     m = dequantize(exp_avg_codes, exp_avg_absmax, signed=True)
     v = dequantize(exp_avg_sq_codes, exp_avg_sq_absmax, signed=False)
@@ -123,7 +142,10 @@ def reference_adam_sr_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.T
                        exp_avg_sq: torch.Tensor, hp, sr_key: Optional[int]) -> None:
     """One Adam v2 step (``reference.reference_adam_``, states rounded to their dtype) whose new
     parameter, kept in fp32, is stored by stochastic rounding with ``sr_key`` for bf16 params
-    (round to nearest even for other dtypes or without a key)."""
+    (round to nearest even for other dtypes or without a key). On MPS the same ops run on CPU
+    copies (no float64 there)."""
+    if _needs_cpu(param):
+        return _via_cpu(reference_adam_sr_, param, grad, exp_avg, exp_avg_sq, hp, sr_key)
     p32 = param.detach().float().clone()
     reference_adam_(p32, grad, exp_avg, exp_avg_sq, hp)
     store_param_(param, p32, sr_key)
