@@ -15,24 +15,51 @@ template <class P> struct ParamStorage {
 };
 template <> struct ParamStorage<bf16sr> {
   using T = bf16;
+#if defined(MFA_ISA_AVX512)
+  // AVX-512: the same hash on 16 lanes in zmm registers (GCC's auto-vectorizer stops at 256 bits).
+  static inline void store(T* dst, __m512 x, uint32_t key, int64_t index) {
+    const uint32_t lo0 = uint32_t(uint64_t(index)), hi0 = uint32_t(uint64_t(index) >> 32);
+    const __m512i lo = _mm512_add_epi32(_mm512_set1_epi32(int(lo0)),
+                                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    // Lanes whose low word wrapped past 2^32 belong to the next high word.
+    const __mmask16 wrap = _mm512_cmplt_epu32_mask(lo, _mm512_set1_epi32(int(lo0)));
+    const __m512i hi = _mm512_mask_add_epi32(_mm512_set1_epi32(int(hi0)), wrap, _mm512_set1_epi32(int(hi0)),
+                                             _mm512_set1_epi32(1));
+    __m512i h = _mm512_xor_si512(_mm512_set1_epi32(int(key)),
+                                 _mm512_xor_si512(_mm512_mullo_epi32(lo, _mm512_set1_epi32(int(0x9E3779B9u))),
+                                                  _mm512_mullo_epi32(hi, _mm512_set1_epi32(int(0x85EBCA77u)))));
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+    h = _mm512_mullo_epi32(h, _mm512_set1_epi32(int(0x85EBCA6Bu)));
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
+    h = _mm512_mullo_epi32(h, _mm512_set1_epi32(int(0xC2B2AE35u)));
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), _mm512_srli_epi32(h, 16)), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
+  }
+#else
   static inline void store(T* dst, typename Vec::F x, uint32_t key, int64_t index) {
     constexpr int W = Vec::W;
     float tmp[W];
+    uint32_t u[W];
+    uint16_t out[W];
     Vec::store(tmp, x);
-    const uint32_t hi = uint32_t(uint64_t(index) >> 32) * 0x85EBCA77u;
+    __builtin_memcpy(u, tmp, sizeof u);
+    // Whole-array copies and a branch-free lane loop: each ISA build vectorizes it.
     for (int k = 0; k < W; ++k) {
-      uint32_t u;
-      __builtin_memcpy(&u, &tmp[k], 4);
-      uint32_t h = key ^ (uint32_t(uint64_t(index) + uint64_t(k)) * 0x9E3779B9u) ^ hi;
+      const uint64_t ix = uint64_t(index) + uint64_t(k);
+      uint32_t h = key ^ (uint32_t(ix) * 0x9E3779B9u) ^ (uint32_t(ix >> 32) * 0x85EBCA77u);
       h ^= h >> 16;
       h *= 0x85EBCA6Bu;
       h ^= h >> 13;
       h *= 0xC2B2AE35u;
       h ^= h >> 16;
-      const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
-      dst[k].bits = nan ? uint16_t(0x7FC0) : uint16_t((u + (h >> 16)) >> 16);
+      const uint32_t rounded = (u[k] + (h >> 16)) >> 16;
+      out[k] = uint16_t((u[k] & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
     }
+    __builtin_memcpy(dst, out, sizeof out);
   }
+#endif
 };
 
 template <class Rule, class PS, class S>
