@@ -5,7 +5,7 @@ and 8-bit states + bf16 stochastic rounding, on deterministic seeds.
 The literature's ordering (Dettmers et al. 2021; Zamirai et al. 2020): 8-bit states and
 stochastic-rounding bf16 land near fp32 AdamW; plain round-to-nearest bf16 stalls once the
 updates fall below half a bf16 ulp of the weights (here lr 1e-3 on weights of order 1, whose ulp
-is 2^-7 to 2^-8: most updates round away). benchmarks/lowbit_training.py runs the longer version.
+is 2^-7 to 2^-8: most updates round away). benchmarks/lowbit.py runs the longer version.
 """
 from __future__ import annotations
 
