@@ -45,6 +45,8 @@ auditwheel show "$WHEEL"
 # explicitly first, so the wheel's `torch>=2.4` is already met and pip downloads no other build.
 "$PY" -m venv "$WORK/venv"
 VPY="$WORK/venv/bin/python"
+# MFA_VENV_LINK=PATH: a symlink to this environment, for ci/test_deepspeed_releases.sh (.ci/run).
+if [ -n "${MFA_VENV_LINK:-}" ]; then ln -sfn "$WORK/venv" "$MFA_VENV_LINK"; fi
 "$VPY" -m pip install -q torch==2.13.0
 "$VPY" -m pip install -q "${WHEEL}[test]"
 if [ -n "${MFA_DEEPSPEED:-}" ]; then
@@ -55,14 +57,19 @@ if [ -n "${MFA_DEEPSPEED:-}" ]; then
   "$VPY" -m pip install -q -c "$WORK/constraints.txt" setuptools wheel
   DS_BUILD_OPS=0 "$VPY" -m pip install -q --no-build-isolation -c "$WORK/constraints.txt" "deepspeed==${MFA_DEEPSPEED}"
   "$VPY" -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
-  # DeepSpeed's own CPU Adam, JIT-built once here with the machine's compiler, only so that
-  # tests/test_deepspeed_ops.py can compare our kernels with it (the package never builds it).
+  # DeepSpeed's own CPU Adam, Lion and Adagrad, JIT-built once here with the machine's compiler,
+  # only so that tests/test_deepspeed_ops.py and tests/test_deepspeed_rule_ops.py can compare our
+  # kernels with them (the package never builds them).
   # (The venv's bin first: torch's extension builder looks for ninja, which DeepSpeed installs there.)
-  MFA_DS_CPU_ADAM_SO="$(PATH="$WORK/venv/bin:$PATH" TORCH_EXTENSIONS_DIR="$WORK/ds_ext" "$VPY" -c \
-    "from deepspeed.ops.op_builder import CPUAdamBuilder; print(CPUAdamBuilder().load(verbose=False).__file__)" \
-    | tail -n 1)"
-  export MFA_DS_CPU_ADAM_SO
-  echo "DeepSpeed's cpu_adam for the cross-check: $MFA_DS_CPU_ADAM_SO"
+  DS_SOS="$(PATH="$WORK/venv/bin:$PATH" TORCH_EXTENSIONS_DIR="$WORK/ds_ext" "$VPY" -c \
+    "from deepspeed.ops.op_builder import CPUAdamBuilder, CPULionBuilder, CPUAdagradBuilder
+for b in (CPUAdamBuilder, CPULionBuilder, CPUAdagradBuilder): print('MFA-SO', b().load(verbose=False).__file__)" \
+    | grep '^MFA-SO ' | cut -d' ' -f2)"
+  MFA_DS_CPU_ADAM_SO="$(echo "$DS_SOS" | sed -n 1p)"
+  MFA_DS_CPU_LION_SO="$(echo "$DS_SOS" | sed -n 2p)"
+  MFA_DS_CPU_ADAGRAD_SO="$(echo "$DS_SOS" | sed -n 3p)"
+  export MFA_DS_CPU_ADAM_SO MFA_DS_CPU_LION_SO MFA_DS_CPU_ADAGRAD_SO
+  echo "DeepSpeed's ops for the cross-checks: $MFA_DS_CPU_ADAM_SO $MFA_DS_CPU_LION_SO $MFA_DS_CPU_ADAGRAD_SO"
 fi
 
 if [ -n "${MFA_BITSANDBYTES:-}" ]; then

@@ -8,15 +8,19 @@ enable_language(OBJCXX)
 # target comes from CMAKE_OSX_DEPLOYMENT_TARGET / MACOSX_DEPLOYMENT_TARGET, set before project().)
 set(MFA_MACOS_MIN 14.0)
 
-execute_process(COMMAND xcrun -sdk macosx -f metal RESULT_VARIABLE MFA_NO_METAL OUTPUT_QUIET ERROR_QUIET)
-if(MFA_NO_METAL)
-  message(FATAL_ERROR "The Metal compiler is missing (Xcode 26 ships it separately): "
-                      "xcodebuild -downloadComponent MetalToolchain")
+# Run the compiler: without Xcode 26's separate Metal toolchain, `xcrun -f metal` still finds a
+# stub that only prints "cannot execute tool 'metal' due to missing Metal Toolchain".
+execute_process(COMMAND xcrun -sdk macosx metal --version RESULT_VARIABLE MFA_METAL_RC
+                OUTPUT_VARIABLE MFA_METAL_OUT ERROR_VARIABLE MFA_METAL_OUT)
+if(NOT MFA_METAL_RC EQUAL 0 OR MFA_METAL_OUT MATCHES "missing Metal Toolchain")
+  message(FATAL_ERROR "The Metal compiler does not run (Xcode 26 ships it separately: "
+                      "xcodebuild -downloadComponent MetalToolchain): ${MFA_METAL_OUT}")
 endif()
 
-# Fast math off, as MLX and PyTorch build their kernels: the numeric contract needs IEEE
-# division and sqrt, and NaN/Inf must propagate.
-set(MFA_METAL_FLAGS -std=metal3.1 -mmacosx-version-min=${MFA_MACOS_MIN} -fno-fast-math -Wall -Wextra)
+# Fast math off, as MLX and PyTorch build their kernels; in the MSL specification that mode
+# ("safe") still contracts a * b + c into fma, so contraction is switched off explicitly.
+set(MFA_METAL_FLAGS -std=metal3.1 -mmacosx-version-min=${MFA_MACOS_MIN} -fno-fast-math
+                    -ffp-contract=off -Wall -Wextra)
 
 file(GLOB MFA_METAL_SOURCES CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/metal/*.metal")
 set(MFA_AIR_FILES "")

@@ -3,7 +3,7 @@
 # time, so a wheel keeps the platform baseline (SSE2 on x86-64) yet runs AVX2 or AVX-512.
 
 # -ffp-contract=off: fused multiply-adds would make the SIMD paths round differently from the
-# scalar path and the reference. -fno-math-errno lets sqrt vectorize (3.4x, DESIGN.md section 6).
+# scalar path and the reference. -fno-math-errno lets sqrt vectorize (3.4x faster, measured on x86-64).
 set(MFA_CPU_MATH_FLAGS -ffp-contract=off -fno-math-errno -fno-fast-math)
 
 function(mfa_isa_objects name)
@@ -37,8 +37,11 @@ else()
 endif()
 
 nanobind_add_module(_cpu NB_STATIC
-  src/cpu/bindings.cpp src/cpu/adam8bit.cpp src/cpu/dispatch.cpp src/cpu/step.cpp src/cpu/thread_pool.cpp ${MFA_ISA_OBJECTS})
+  src/cpu/bindings.cpp src/cpu/adam8bit.cpp src/cpu/step_plan.cpp src/cpu/dispatch.cpp src/cpu/step.cpp src/cpu/thread_pool.cpp
+  src/cpu/zenflow_ctrl.cpp
+  src/cpu/torch_openmp.cpp ${MFA_ISA_OBJECTS})
 target_compile_options(_cpu PRIVATE ${MFA_CPU_MATH_FLAGS})
 find_package(Threads REQUIRED)
-target_link_libraries(_cpu PRIVATE Threads::Threads)
+# dlopen/dlsym: torch_openmp.cpp borrows the OpenMP runtime torch loaded (nothing is linked).
+target_link_libraries(_cpu PRIVATE Threads::Threads ${CMAKE_DL_LIBS})
 install(TARGETS _cpu LIBRARY DESTINATION mps_fused_adam)

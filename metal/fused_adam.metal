@@ -1,8 +1,15 @@
-// Fused Adam/AdamW step for Apple GPUs: one pass over memory per tensor, math in fp32.
+// Fused optimizer steps (Adam/AdamW, Lion, Adagrad) for Apple GPUs: one pass over memory per
+// tensor, math in fp32.
 //
 // The numeric contract is DESIGN.md section 2; the operation order below is that of
-// python/mps_fused_adam/reference.py, so an fp32 build agrees with the reference bit for bit
-// (contraction into fma is switched off below and by the build's -ffp-contract=off).
+// python/mps_fused_adam/reference.py. Contraction into fma is off in every build of this text:
+// the metallib is compiled with -fno-fast-math -ffp-contract=off (cmake/apple_metal.cmake), and
+// the pragmas below say it again for tier 3, which torch compiles at run time with its own options
+// (language 3.1 on macOS 14). Square root and division use metal::precise:: forms, which stay
+// correctly rounded even when torch compiles with fast math (PYTORCH_MPS_FAST_MATH=1); fast math
+// can still change NaN/Inf handling and subnormals there. Apple GPUs may flush fp32 subnormals, so
+// the GPU is held to the contract's bound, not to bit identity (the self-check reports the measured
+// agreement); the host emulator of the tests matches the reference bit for bit.
 //
 // Self-contained on purpose: tier 3 hands this text to torch.mps.compile_shader, and the tests
 // compile it as C++17 through tests/metal_compat.h (FUSED_ADAM_HOST_EMULATOR is then defined).
@@ -10,8 +17,9 @@
 // Kernels (host names): fused_<rule>_<P>_<S>, P = param/grad storage type, S = state storage
 // type, from the instantiation lists at the end (one line per rule x dtype pair):
 //   fused_adam_float_float, fused_adam_half_float, fused_adam_half_half,
-//   fused_adam_bfloat_float, fused_adam_bfloat_bfloat (the bfloat ones need Metal 3.1, macOS 14).
-// Buffers, for a rule with K states (Adam: K = 2):
+//   fused_adam_bfloat_float, fused_adam_bfloat_bfloat (the bfloat ones need Metal 3.1, macOS 14),
+//   and the same five pairs of fused_lion_* and fused_adagrad_*.
+// Buffers, for a rule with K states (Adam: K = 2; Lion, Adagrad: K = 1):
 //   0 param (P, in/out)   1 grad (P, in)   2 .. 1+K the states (S, in/out)
 //   2+K the rule's Params (constant struct; Adam: 9 floats, 2 uints, in contract.AdamScalars order)
 //   3+K base: ulong, element index of this dispatch's first element (the grid offset)
@@ -21,16 +29,17 @@
 // 2^32 elements index correctly while thread_position_in_grid stays a 32-bit uint.
 //
 // Adding a rule: a struct like AdamRule below (kStates, Params, an inline apply() in the
-// contract's operation order, precise sqrt/divide) and its lines in the instantiation lists; a
-// rule with one state uses the one-state kernel shape (add it next to fused_step_2 when the
-// first such rule arrives: the same body with buffers 0-2 for tensors, 3-5 for the rest).
+// contract's operation order, precise sqrt/divide) and its lines in the instantiation lists,
+// with the kernel shape of its state count (fused_step_2, or fused_step_1: buffers 0-2 for
+// tensors, 3-5 for the rest).
 
 #ifndef FUSED_ADAM_HOST_EMULATOR
 #include <metal_stdlib>
 using namespace metal;
+// No contraction, in the forms the MSL specification documents: the standard pragma for every
+// language version, and from 3.2 on the METAL fp pragmas (with safe math mode).
+#pragma STDC FP_CONTRACT OFF
 #if __METAL_VERSION__ >= 320
-// IEEE math and no contraction whatever the compile options: tier 3 compiles this text at run time
-// with options chosen by torch, not by us. (The metallib is also built with -fno-fast-math.)
 #pragma METAL fp math_mode(safe)
 #pragma METAL fp contract(off)
 #endif
@@ -77,6 +86,66 @@ struct AdamRule {
     p = p - hp.step_size * metal::precise::divide(m, denom);
     s[0] = m;
     s[1] = v;
+  }
+};
+
+// Lion (python/mps_fused_adam/contract.py): no sqrt, no division. sign(c) is 1, -1, +0 for both
+// zeros and NaN for NaN (c - c), so a NaN momentum or gradient reaches the parameter.
+struct LionParams {
+  float lr;
+  float beta1;
+  float beta2;
+  float one_minus_beta1;
+  float one_minus_beta2;
+  float decay;  // 1 - lr * weight_decay
+  uint maximize;
+};
+
+struct LionRule {
+  enum : uint { kStates = 1 };
+  typedef LionParams Params;
+  // s[0] = exp_avg.
+  static inline void apply(thread float& p, float g, thread float* s, constant Params& hp) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+    if (hp.maximize != 0) {
+      g = -g;
+    }
+    const float c = hp.beta1 * s[0] + hp.one_minus_beta1 * g;
+    const float sign = c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : c - c);
+    p = p * hp.decay;
+    p = p - hp.lr * sign;
+    s[0] = hp.beta2 * s[0] + hp.one_minus_beta2 * g;
+  }
+};
+
+// Adagrad (torch.optim.Adagrad's algorithm, contract.py): one precise sqrt, one precise division.
+struct AdagradParams {
+  float clr;  // lr / (1 + (step - 1) * lr_decay)
+  float eps;
+  float weight_decay;
+  uint l2;    // weight_decay != 0
+  uint maximize;
+};
+
+struct AdagradRule {
+  enum : uint { kStates = 1 };
+  typedef AdagradParams Params;
+  // s[0] = sum (of squared gradients).
+  static inline void apply(thread float& p, float g, thread float* s, constant Params& hp) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+    if (hp.maximize != 0) {
+      g = -g;
+    }
+    if (hp.l2 != 0) {
+      g = g + hp.weight_decay * p;
+    }
+    const float acc = s[0] + g * g;
+    p = p - hp.clr * metal::precise::divide(g, metal::precise::sqrt(acc) + hp.eps);
+    s[0] = acc;
   }
 };
 
@@ -161,16 +230,38 @@ kernel void fused_step_2(device P* param [[buffer(0)]],
   step_elements<Rule, P, S>(param, grad, state0, state1, hp, base, n, tid);
 }
 
+// The kernel shape of rules with one state (Lion, Adagrad).
+template <typename Rule, typename P, typename S>
+kernel void fused_step_1(device P* param [[buffer(0)]],
+                         device const P* grad [[buffer(1)]],
+                         device S* state0 [[buffer(2)]],
+                         constant typename Rule::Params& hp [[buffer(3)]],
+                         constant ulong& base [[buffer(4)]],
+                         constant ulong& n [[buffer(5)]],
+                         uint tid [[thread_position_in_grid]]) {
+  step_elements<Rule, P, S>(param, grad, state0, state0, hp, base, n, tid);
+}
+
 // The instantiation lists: X(kernel shape, rule struct, rule name, P, S), one line per rule x
 // dtype pair; host name fused_<rule>_<P>_<S>. The host emulator expands the same lists.
-#define FUSED_KERNELS(X)                   \
-  X(fused_step_2, AdamRule, adam, float, float) \
-  X(fused_step_2, AdamRule, adam, half, float)  \
-  X(fused_step_2, AdamRule, adam, half, half)
+#define FUSED_KERNELS(X)                               \
+  X(fused_step_2, AdamRule, adam, float, float)        \
+  X(fused_step_2, AdamRule, adam, half, float)         \
+  X(fused_step_2, AdamRule, adam, half, half)          \
+  X(fused_step_1, LionRule, lion, float, float)        \
+  X(fused_step_1, LionRule, lion, half, float)         \
+  X(fused_step_1, LionRule, lion, half, half)          \
+  X(fused_step_1, AdagradRule, adagrad, float, float)  \
+  X(fused_step_1, AdagradRule, adagrad, half, float)   \
+  X(fused_step_1, AdagradRule, adagrad, half, half)
 // bfloat needs Metal 3.1 (macOS 14).
-#define FUSED_KERNELS_BFLOAT(X)                  \
-  X(fused_step_2, AdamRule, adam, bfloat, float) \
-  X(fused_step_2, AdamRule, adam, bfloat, bfloat)
+#define FUSED_KERNELS_BFLOAT(X)                          \
+  X(fused_step_2, AdamRule, adam, bfloat, float)         \
+  X(fused_step_2, AdamRule, adam, bfloat, bfloat)        \
+  X(fused_step_1, LionRule, lion, bfloat, float)         \
+  X(fused_step_1, LionRule, lion, bfloat, bfloat)        \
+  X(fused_step_1, AdagradRule, adagrad, bfloat, float)   \
+  X(fused_step_1, AdagradRule, adagrad, bfloat, bfloat)
 
 #define FUSED_INSTANTIATE(SHAPE, RULE, NAME, P, S)                                   \
   template [[host_name("fused_" #NAME "_" #P "_" #S)]] [[kernel]] decltype(SHAPE<RULE, P, S>) \

@@ -28,11 +28,16 @@ def require_tool(*names: str) -> list[str]:
     found = [shutil.which(n) for n in names]
     missing = [n for n, f in zip(names, found) if f is None]
     if missing:
-        msg = f"required tools not on PATH: {', '.join(missing)}"
-        if os.environ.get("MFA_REQUIRE_TOOLS"):
-            pytest.fail(msg + " (MFA_REQUIRE_TOOLS is set; .ci/run installs them)")
-        pytest.skip(msg)
+        cannot_run(f"required tools not on PATH: {', '.join(missing)}")
     return found  # type: ignore[return-value]
+
+
+def cannot_run(reason: str) -> None:
+    """A check that needs a tool or a download cannot run here: skip with ``reason`` on a developer
+    machine, fail where MFA_REQUIRE_TOOLS=1 (CI), by the same rule as :func:`require_tool`."""
+    if os.environ.get("MFA_REQUIRE_TOOLS"):
+        pytest.fail(reason + " (MFA_REQUIRE_TOOLS is set; .ci/run installs the tools and has network)")
+    pytest.skip(reason)
 
 
 @pytest.fixture(autouse=True)

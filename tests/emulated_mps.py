@@ -110,13 +110,14 @@ class Emulator:
 
     def run_tensors(self, p, g, m, v, hyper: bytes, *, base: int = 0, threads: int | None = None,
                     group: int = 256, reverse: bool = False, n: int | None = None, rule: str = "adam") -> None:
-        """One dispatch over CPU tensors (param, grad, two states) with the kernel their dtypes select."""
+        """One dispatch over CPU tensors (param, grad, the rule's states: ``v`` is None for a
+        one-state rule) with the kernel their dtypes select."""
         name = f"fused_{rule}_{_short(p.dtype)}_{_short(m.dtype)}"
         n = p.numel() if n is None else n
         if threads is None:
             threads = -(-(n - base) // 4)
-        self.dispatch(name, (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr()), hyper, base, n,
-                      threads, group, reverse)
+        tensors = (p, g, m) if v is None else (p, g, m, v)
+        self.dispatch(name, tuple(t.data_ptr() for t in tensors), hyper, base, n, threads, group, reverse)
 
 
 def _short(dtype: torch.dtype) -> str:

@@ -19,6 +19,13 @@ void launch_fused_step_2(void* const* b, const void* hp, ulong base, ulong n, ui
                            static_cast<S*>(b[3]), *static_cast<const typename Rule::Params*>(hp), base, n, gid);
 }
 
+// The kernel of the one-state shape.
+template <typename Rule, typename P, typename S>
+void launch_fused_step_1(void* const* b, const void* hp, ulong base, ulong n, uint gid) {
+  fused_step_1<Rule, P, S>(static_cast<P*>(b[0]), static_cast<const P*>(b[1]), static_cast<S*>(b[2]),
+                           *static_cast<const typename Rule::Params*>(hp), base, n, gid);
+}
+
 template <void (*Launch)(void* const*, const void*, ulong, ulong, uint)>
 void run_grid(void* const* buffers, const void* hp, ulong base, ulong n, uint64_t threads, uint64_t group,
               int reverse) {

@@ -1,6 +1,8 @@
-"""The C++ CPU kernel against the independent reference (DESIGN.md section 2), on every SIMD path
+"""The C++ CPU kernel against the independent reference (the README's "Numeric contract"), on every SIMD path
 this CPU can run. Operation order and rounding are the same, so results must be bit-identical."""
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -107,8 +109,11 @@ def test_many_tensors_one_call_and_threads():
         assert all(torch.equal(a, b) for a, b in zip(out, ref))
 
 
-def test_thread_count_follows_torch():
+@pytest.mark.parametrize("torch_openmp", [True, False], ids=["torch-openmp", "own-pool"])
+def test_thread_count_follows_torch(torch_openmp):
+    """Every thread count, on torch's OpenMP threads and on our own pool, gives the reference's bits."""
     old = torch.get_num_threads()
+    _cpu.use_torch_openmp(torch_openmp)
     try:
         for threads in (1, 3):
             torch.set_num_threads(threads)
@@ -117,10 +122,48 @@ def test_thread_count_follows_torch():
             hp = AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 1)
             CPUBackend().update("adam", [p], [g], [[m], [v]], hp)
             reference_adam_(*ref, hp)
-            assert torch.equal(p, ref[0])
-            assert _cpu.pool_size() >= threads
+            assert torch.equal(p, ref[0]) and torch.equal(m, ref[2]) and torch.equal(v, ref[3])
+            if not torch_openmp:
+                assert _cpu.pool_size() >= threads
     finally:
+        _cpu.use_torch_openmp(True)
         torch.set_num_threads(old)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torch's OpenMP is borrowed on Linux only")
+def test_steps_run_on_torchs_openmp_threads():
+    """On Linux the kernel runs on the OpenMP runtime of torch's wheel (found, not linked), so it
+    shares torch's worker threads instead of competing with them."""
+    assert _cpu.thread_pool().startswith("torch's OpenMP (") and "/torch/lib/" in _cpu.thread_pool()
+    _cpu.use_torch_openmp(False)
+    try:
+        assert _cpu.thread_pool() == "own"
+    finally:
+        _cpu.use_torch_openmp(True)
+
+
+def test_fork_child_steps_on_its_own_pool():
+    """A forked child (a DataLoader worker, say) cannot use the parent's OpenMP threads: it falls
+    back to a fresh pool of its own and still computes the reference's bits."""
+    import multiprocessing as mp
+    ctx = mp.get_context("fork")
+    p, g, m, v = make_tensors(1 << 18, torch.float32, torch.float32)
+    ref = [t.clone() for t in (p, g, m, v)]
+    hp = AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, 1)
+    CPUBackend().update("adam", [p.clone()], [g], [[m.clone()], [v.clone()]], hp)  # parent uses its threads first
+    reference_adam_(*ref, hp)
+    shared = [t.clone().share_memory_() for t in (p, g, m, v)]
+    proc = ctx.Process(target=_child_step, args=(shared, hp))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0
+    assert torch.equal(shared[0], ref[0]) and torch.equal(shared[2], ref[2])
+
+
+def _child_step(tensors, hp):
+    torch.set_num_threads(2)
+    p, g, m, v = tensors
+    CPUBackend().update("adam", [p], [g], [[m], [v]], hp)
 
 
 def test_set_simd_path_rejects_unknown():
@@ -132,8 +175,8 @@ def test_bad_arguments_rejected():
     blob = RULES["adam"].pack(AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 1))
     with pytest.raises(ValueError, match="states are float32 or the param dtype"):
         _cpu.step("adam", [], [], [[], []], [], 0, 2, blob, 1)
-    with pytest.raises(ValueError, match="unknown update rule 'lion'; the CPU kernel has: adam, floor"):
-        _cpu.step("lion", [], [], [[], []], [], 0, 0, blob, 1)
+    with pytest.raises(ValueError, match="unknown update rule 'lamb'; the CPU kernel has: adam, lion, adagrad, floor, floor1"):
+        _cpu.step("lamb", [], [], [[], []], [], 0, 0, blob, 1)
     with pytest.raises(ValueError, match="rule 'adam' has 2 states; got 1 state lists"):
         _cpu.step("adam", [], [], [[]], [], 0, 0, blob, 1)
     with pytest.raises(ValueError, match="44-byte scalar struct; got 40 bytes"):
@@ -141,8 +184,8 @@ def test_bad_arguments_rejected():
 
 
 def test_every_rule_has_a_cpu_kernel():
-    """contract.RULES and the C++ rule list (adam_types.h) name the same rules (plus the floor)."""
-    assert sorted(_cpu.rules()) == sorted([*RULES, "floor"])
+    """contract.RULES and the C++ rule list (adam_types.h) name the same rules (plus the floors)."""
+    assert sorted(_cpu.rules()) == sorted([*RULES, "floor", "floor1"])
 
 
 def test_simd_env_override_and_warning(tmp_path):
@@ -152,10 +195,17 @@ def test_simd_env_override_and_warning(tmp_path):
             "with warnings.catch_warnings(record=True) as w:\n"
             "    warnings.simplefilter('always')\n"
             "    info = m.backend_info()['cpu']\n"
-            "print(info['simd'], len(w))")
+            "print(info['simd'], len(w))\n"
+            "print(*(str(x.message) for x in w), sep='\\n')")
     env = dict(__import__("os").environ, MPS_FUSED_ADAM_SIMD="scalar")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["scalar", "0"]
-    env["MPS_FUSED_ADAM_SIMD"] = "sse9"
+    env["MPS_FUSED_ADAM_SIMD"] = "avx9000"  # no such path anywhere: "unknown", with the known ones
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == [_cpu.simd_paths()[0], "1"]
+    first, message = out.splitlines()[:2]
+    assert first.split() == [_cpu.simd_paths()[0], "1"]
+    assert "MPS_FUSED_ADAM_SIMD='avx9000' is unknown (known: avx512bf16, avx512, avx2, neon, scalar)" in message
+    # A real path of another architecture: "not supported on this CPU".
+    env["MPS_FUSED_ADAM_SIMD"] = "neon" if "neon" not in _cpu.simd_paths() else "avx2"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert f"MPS_FUSED_ADAM_SIMD={env['MPS_FUSED_ADAM_SIMD']!r} is not supported on this CPU" in out

@@ -38,7 +38,7 @@ def accel_module(monkeypatch):
     dsenv.require_deepspeed()
     from mps_fused_adam.deepspeed import accelerator
     staged = []
-    # The stub path wraps DeepSpeed's comm backend process-wide; record the call instead.
+    # mps_accelerator() wraps DeepSpeed's comm backend process-wide; record the call instead.
     monkeypatch.setattr(accelerator, "install_cpu_staging", lambda: staged.append(True) or [])
     accelerator._staging_calls = staged
     return accelerator
@@ -53,7 +53,8 @@ def test_complete_deepspeed_is_extended_only_for_tensor_types(accel_module, fake
     for name in ("total_memory", "memory_stats", "is_bf16_supported", "communication_backend_name"):
         assert getattr(type(acc), name) is getattr(MPS_Accelerator, name), name
     assert acc.total_memory() == 16 * GiB
-    assert accel_module._staging_calls == []
+    # DeepSpeed's own staging copies inputs back over outputs (issue 13, item 3): ours goes around it.
+    assert accel_module._staging_calls == [True]
     # FusedAdam's overflow buffer: get_accelerator().IntTensor([0]) must land on the MPS device.
     int_t = acc.IntTensor
     assert (int_t.dtype, int_t.device) == (torch.int32, "mps")
@@ -71,6 +72,19 @@ def _stub_base():
         def __init__(self):
             self._name = "mps"
             self._communication_backend_name = None
+
+        def stream(self, stream):
+            return None
+
+        @property
+        def Event(self):
+            return None
+
+        def memory_reserved(self, device_index=None):
+            return None
+
+        def device_name(self, device_index=None):
+            return "mps" if device_index is None else f"mps:{device_index}"
 
         def total_memory(self, device_index=None):
             return None
@@ -118,6 +132,30 @@ def test_stub_is_completed(accel_module, fake_mps, monkeypatch, macos, bf16):
     assert acc.pin_memory(t) is t and acc.is_pinned(t)
     assert acc.IntTensor.device == "mps"
     assert accel_module._staging_calls == [True], "the stub path must stage MPS tensors for gloo"
+    # ZeRO enters `with get_accelerator().stream(...)` unguarded (issue 13, item 2).
+    with acc.stream(None):
+        pass
+    assert acc.Event is torch.mps.Event
+
+
+@pytest.mark.parametrize("complete", [True, False])
+def test_every_local_rank_gets_the_one_device(accel_module, fake_mps, monkeypatch, complete):
+    """Issue 13, item 5: DeepSpeed asks for device_name(LOCAL_RANK); a Mac has one GPU."""
+    if not complete:
+        import deepspeed.accelerator.mps_accelerator as ds_mps
+        monkeypatch.setattr(ds_mps, "MPS_Accelerator", _stub_base())
+    acc = accel_module.mps_accelerator(complete=complete)
+    for rank in (0, 1, 3, "1", torch.device("mps", 1)):
+        assert acc.device_name(rank) == "mps:0", rank
+        assert acc.device(rank) == torch.device("mps", 0)
+        acc.set_device(rank)  # accepted, nothing to switch
+    assert acc.device_name() == "mps" and acc.current_device_name() == "mps:0"
+    assert acc.current_device() == torch.device("mps", 0) and acc.device_count() == 1
+    assert acc.on_accelerator(torch.ones(1)) is False  # a CPU tensor
+    with pytest.raises(ValueError, match=r"device index must be >= 0, got -1"):
+        acc.device_name(-1)
+    with pytest.raises(ValueError, match=r"device index must be an integer \(a local rank\), got 'gpu'"):
+        acc.set_device("gpu")
 
 
 def test_macos_at_least_falls_back_to_platform(monkeypatch):
@@ -160,10 +198,10 @@ class _FakeBackend:
 
 def test_cpu_staging_wrapper(monkeypatch):
     """MPS tensors reach gloo as CPU copies and get the results back (after wait() when async)."""
-    from mps_fused_adam.deepspeed import accelerator
-    monkeypatch.setattr(accelerator, "_needs_staging",
+    from mps_fused_adam.deepspeed import staging as accelerator
+    monkeypatch.setattr(accelerator, "needs_staging",
                         lambda t: isinstance(t, torch.Tensor) and getattr(t, "on_mps", False))
-    monkeypatch.setattr(accelerator, "_to_host", lambda t: t.clone())
+    monkeypatch.setattr(accelerator, "to_host", lambda t: t.clone())
 
     class Backend(_FakeBackend):
         pass

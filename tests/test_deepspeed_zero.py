@@ -1,13 +1,18 @@
-"""DeepSpeed ZeRO stages 0-3, with and without CPU offload, fp32 and bf16, on our kernels.
+"""DeepSpeed ZeRO stages 0-3, with and without CPU offload, fp32 and bf16, on our kernels: AdamW
+(every stage), Lion (stages 1-3, with and without CPU offload: FusedLion and DeepSpeedCPULion) and
+Adagrad (stages 1-3 with CPU offload: DeepSpeedCPUAdagrad; without offload DeepSpeed runs
+torch.optim.Adagrad, which needs no kernel of ours).
 
 Every configuration runs ``deepspeed.initialize`` and 5 training steps on DeepSpeed's CPU
 accelerator with gloo, in subprocesses that have no compiler and no ninja (tests/deepspeed_support/
 dsenv.py), and checks:
 
-* the loss trajectory against the same model trained with ``torch.optim.AdamW`` (tolerances below);
-* that DeepSpeed built its own optimizer class (``FusedAdam`` without offload, ``DeepSpeedCPUAdam``
-  with offload; exact types, no subclass) and that its kernel object is our facade, which counted
-  one backend call per step;
+* the loss trajectory against the same model trained with the reference optimizer
+  (``torch.optim.AdamW``; for Lion the package's reference, ``reference.reference_lion_``; for
+  Adagrad ``torch.optim.Adagrad``) (tolerances below);
+* that DeepSpeed built its own optimizer class (``FusedAdam``/``FusedLion`` without offload,
+  ``DeepSpeedCPUAdam``/``DeepSpeedCPULion``/``DeepSpeedCPUAdagrad`` with offload; exact types, no
+  subclass) and that its kernel object is our facade, which counted one backend call per step;
 * that nothing was JIT-built (the extensions directory stays empty, the shm comm op is reported
   unavailable).
 
@@ -29,8 +34,16 @@ Tolerances (relative, on each of the 5 losses):
   ranks where the reference computes one full-batch gradient, which moves a loss by a fraction of a
   bf16 ulp (measured: 5.8e-4).
 
-Each tolerance must also reject the reference trained with half the learning rate (the "control",
-about 2.5e-2 away), so a wrong optimizer cannot pass.
+Lion and Adagrad use the same tolerances, for the same reasons. Lion's reference is the package's
+own contract, so in one process the losses match exactly (measured: 0.0 in fp32 and bf16; a
+sign-based update would amplify any gradient difference into a full 2 * lr step, so exact
+agreement here also shows that DeepSpeed hands our kernel the gradients the reference sees).
+Adagrad's reference, torch's, divides in another order (contract.py): measured at most 1.1e-7 in
+fp32 and 1.9e-4 in bf16.
+
+Each tolerance must also reject the reference trained with half the learning rate (the "control":
+2.5e-2 away for AdamW, 2.7e-2 to 3.0e-2 for Lion, 1.4e-2 for Adagrad), so a wrong optimizer cannot
+pass.
 """
 from __future__ import annotations
 
@@ -46,6 +59,19 @@ import dsenv  # noqa: E402
 RUNNER = str(dsenv.SUPPORT / "zero_runner.py")
 SINGLE = [f"{cfg}:{dtype}" for dtype in ("fp32", "bf16")
           for cfg in ("s0", "s1", "s1-off", "s2", "s2-off", "s3", "s3-off", "s3-off-param")]
+SINGLE += [f"{cfg}:{dtype}:lion" for dtype in ("fp32", "bf16")
+           for cfg in ("s1", "s1-off", "s2", "s2-off", "s3", "s3-off")]
+SINGLE += [f"{cfg}:{dtype}:adagrad" for dtype in ("fp32", "bf16") for cfg in ("s1-off", "s2-off", "s3-off")]
+# (DeepSpeed class without offload, with offload, our op without offload, with offload)
+EXPECTED = {
+    "adamw": ("deepspeed.ops.adam.fused_adam.FusedAdam", "deepspeed.ops.adam.cpu_adam.DeepSpeedCPUAdam",
+              "multi_tensor_adam", "adam_update"),
+    "lion": ("deepspeed.ops.lion.fused_lion.FusedLion", "deepspeed.ops.lion.cpu_lion.DeepSpeedCPULion",
+             "multi_tensor_lion", "lion_update"),
+    "adagrad": (None, "deepspeed.ops.adagrad.cpu_adagrad.DeepSpeedCPUAdagrad", None, "adagrad_update"),
+}
+# A configuration must finish deepspeed.initialize and its 5 steps within this many seconds.
+MAX_SECONDS = 30
 PAIR = ["s2-off:fp32", "s3-off:fp32", "s2-off:bf16", "s3-off:bf16"]
 RTOL = {"fp32": 1e-5, "bf16": 2e-3}
 TIMINGS: dict = {}
@@ -98,26 +124,31 @@ def _check(result: dict) -> None:
     err = _max_rel(result["losses"], result["reference"])
     control = _max_rel(result["control"], result["reference"])
     assert control > 2 * rtol, f"tolerance {rtol} would not catch a halved learning rate ({control:.2e})"
-    assert err <= rtol, (f"{result['config']} {dtype} rank {result['rank']}: losses {result['losses']} vs "
-                         f"torch AdamW {result['reference']} (max rel {err:.2e} > {rtol})")
+    optimizer = result.get("optimizer", "adamw")
+    assert err <= rtol, (f"{result['config']} {dtype} {optimizer} rank {result['rank']}: losses {result['losses']} vs "
+                         f"the reference {result['reference']} (max rel {err:.2e} > {rtol})")
     offload = "-off" in result["config"]
-    expected = "deepspeed.ops.adam.cpu_adam.DeepSpeedCPUAdam" if offload else "deepspeed.ops.adam.fused_adam.FusedAdam"
-    assert result["optimizer_class"] == expected
+    fused_cls, cpu_cls, fused_op, cpu_op = EXPECTED[optimizer]
+    assert result["optimizer_class"] == (cpu_cls if offload else fused_cls)
     assert result["optimizer_exact_type"], "DeepSpeed's optimizer must be its own class, not a subclass"
     assert result["kernel_is_ours"], "the optimizer's kernel object is not mps_fused_adam's facade"
-    # One backend call per step: a single (device, dtype) group per step on these models.
+    # One backend call per step: a single (device, dtype) group per step on these models; and
+    # no other op of ours ran.
     calls = result["kernel_calls"]
-    op = "adam_update" if offload else "multi_tensor_adam"
+    op = cpu_op if offload else fused_op
     ours = sum(n for key, n in calls.items() if key.startswith(op + ":"))
     assert ours >= 5, f"expected our {op} to run on each of the 5 steps, counted {calls}"
-    assert not any(k.startswith("multi_tensor_adam" if offload else "adam_update") for k in calls), calls
-    TIMINGS[(result["config"], dtype, result["world_size"], result["rank"])] = result["seconds"]
+    assert all(k.startswith(op + ":") for k in calls), calls
+    assert result["seconds"] < MAX_SECONDS, f"{result['config']} took {result['seconds']:.1f} s"
+    TIMINGS[(result["config"], dtype, optimizer, result["world_size"], result["rank"])] = result["seconds"]
 
 
 @pytest.mark.parametrize("spec", SINGLE)
 def test_zero_single_process(single_results, spec):
-    cfg, dtype = spec.split(":")
-    (result,) = [r for r in single_results["results"] if r["config"] == cfg and r["dtype"] == dtype]
+    cfg, dtype, *rest = spec.split(":")
+    optimizer = rest[0] if rest else "adamw"
+    (result,) = [r for r in single_results["results"]
+                 if r["config"] == cfg and r["dtype"] == dtype and r["optimizer"] == optimizer]
     _check(result)
 
 
@@ -126,6 +157,8 @@ def test_nothing_jit_built_single(single_results):
     assert single_results["compatible_ops"]["deepspeed_shm_comm"] is False
     assert single_results["compatible_ops"]["cpu_adam"] is True
     assert single_results["compatible_ops"]["fused_adam"] is True
+    assert single_results["compatible_ops"]["cpu_lion"] is True
+    assert single_results["compatible_ops"]["cpu_adagrad"] is True
     assert "built successfully" not in single_results["stdout"]
 
 
@@ -150,10 +183,10 @@ def test_nothing_jit_built_pair(pair_results):
 def test_report_timings(single_results, pair_results):
     """Not a check: prints seconds from deepspeed.initialize to the 5th step, per configuration."""
     results = single_results["results"] + [r for out in pair_results["ranks"] for r in out["results"]]
-    rows = [(r["config"], r["dtype"], r["world_size"], r["rank"], r["seconds"],
+    rows = [(r["config"], r["dtype"], r["optimizer"], r["world_size"], r["rank"], r["seconds"],
              _max_rel(r["losses"], r["reference"])) for r in results]
-    report = "\n".join(f"{c:>13} {d} ws={w} rank={k}: {s:6.2f} s, max rel loss diff vs torch AdamW {e:.1e}"
-                       for c, d, w, k, s, e in rows)
+    report = "\n".join(f"{c:>13} {d} {o:>7} ws={w} rank={k}: {s:6.2f} s, max rel loss diff vs the reference {e:.1e}"
+                       for c, d, o, w, k, s, e in rows)
     print("\nDeepSpeed initialize -> 5th step:\n" + report)
     path = os.environ.get("MFA_DEEPSPEED_TIMINGS")
     if path:

@@ -2,6 +2,8 @@
 step that changes nothing (params, moments, step counts) when anything in it is rejected."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -86,13 +88,94 @@ def test_cpu_adam_rejects_other_devices():
         opt.step()
 
 
-def test_unsupported_param_dtype():
-    p = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
-    p.grad = torch.randn(3, dtype=torch.float64)
+@pytest.mark.parametrize("cls", [mfa.AdamW, mfa.Adam, mfa.FusedAdam, mfa.CPUAdam])
+def test_unsupported_param_dtype_rejected_at_construction(cls):
+    good, p = torch.nn.Parameter(torch.randn(2)), torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"^param_groups\[0\]\['params'\]\[1\] \(shape \(3,\), float64, cpu\): "
+                                         r"dtype torch.float64 is not supported; expected float32, float16 or "
+                                         r"bfloat16 \(for float64 parameters use torch.optim.Adam/AdamW\)"):
+        cls([good, p])
+
+
+def test_unsupported_param_dtype_rejected_by_add_param_group():
+    model = torch.nn.Linear(2, 2)
+    opt = mfa.AdamW(model.parameters())
+    counts = torch.zeros(4, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"^param_groups\[1\]\['params'\]\[0\] \(shape \(4,\), int64, cpu\): "
+                                         r"dtype torch.int64 is not supported; expected float32, float16 or bfloat16$"):
+        opt.add_param_group({"params": [counts]})
+    assert len(opt.param_groups) == 1  # the rejected group is not kept
+    with pytest.raises(ValueError, match=r"^weight \(shape \(2, 2\), float64"):  # named parameters: the name
+        mfa.AdamW(torch.nn.Linear(2, 2).double().named_parameters())
+
+
+def test_unsupported_param_dtype_set_later_is_caught_at_step():
+    p = torch.nn.Parameter(torch.randn(3))
     opt = mfa.AdamW([p])
+    p.data = p.data.double()
+    p.grad = torch.randn(3, dtype=torch.float64)
     with pytest.raises(ValueError, match="dtype torch.float64 is not supported; expected float32, float16 or bfloat16"):
         opt.step()
     assert p not in opt.state
+
+
+def _trained(opt_cls, model, **kw):
+    opt = opt_cls(model.parameters(), **kw)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("foreign", [
+    (lambda m: _trained(torch.optim.SGD, m, lr=0.1), r"param_groups\[0\] has no 'betas' or 'eps' \(its hyperparameters "
+                                                     r"are \[.*'lr'.*'momentum'.*\]\)"),
+    (lambda m: _trained(torch.optim.SGD, m, lr=0.1, momentum=0.9), "has no 'betas' or 'eps'"),
+    (lambda m: _trained(torch.optim.Adagrad, m), "has no 'betas'"),
+    (lambda m: _trained(torch.optim.Adam, m, amsgrad=True), "amsgrad=True, which mps_fused_adam does not implement"),
+])
+@pytest.mark.parametrize("cls", [mfa.AdamW, mfa.CPUAdam])
+def test_load_state_dict_rejects_foreign_optimizers(cls, foreign):
+    make, match = foreign
+    model = torch.nn.Linear(4, 2)
+    ours = _trained(cls, model, lr=1e-3, weight_decay=0.05)
+    before = copy.deepcopy(ours.state_dict())
+    with pytest.raises(ValueError, match=match):
+        ours.load_state_dict(make(torch.nn.Linear(4, 2)).state_dict())
+    after = ours.state_dict()
+    assert after["param_groups"] == before["param_groups"]  # lr and weight decay are still ours
+    for k, st in before["state"].items():
+        for key, v in st.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(after["state"][k][key]))
+
+
+def test_load_state_dict_rejects_state_without_moments():
+    model = torch.nn.Linear(4, 2)
+    sd = _trained(torch.optim.AdamW, model).state_dict()
+    del sd["state"][1]["exp_avg_sq"]
+    sd["state"][1]["momentum_buffer"] = torch.zeros(2)
+    ours = mfa.AdamW(model.parameters())
+    with pytest.raises(ValueError, match=r"the state of param_groups\[0\]\['params'\]\[1\] \(shape \(2,\), "
+                                         r"float32, cpu\) has keys \['exp_avg', 'momentum_buffer', 'step'\]"):
+        ours.load_state_dict(sd)
+    assert not ours.state
+
+
+def test_load_state_dict_rejects_moments_of_the_wrong_shape():
+    sd = _trained(torch.optim.AdamW, torch.nn.Linear(4, 2)).state_dict()
+    sd["state"][0]["exp_avg_sq"] = torch.zeros(8)
+    model = torch.nn.Linear(4, 2)
+    ours = mfa.AdamW(model.named_parameters(), lr=5e-4)
+    with pytest.raises(ValueError, match=r"^weight \(shape \(2, 4\), float32, cpu\): the state dict's 'exp_avg_sq' "
+                                         r"has shape \(8,\); expected \(2, 4\)$"):
+        ours.load_state_dict(sd)
+    assert not ours.state and ours.param_groups[0]["lr"] == 5e-4
+
+
+def test_load_state_dict_rejects_what_is_not_a_state_dict():
+    ours = mfa.AdamW(torch.nn.Linear(4, 2).parameters())
+    with pytest.raises(ValueError, match=r"expected keys 'state' and 'param_groups', found \['weight', 'bias'\]|"
+                                         r"found \['bias', 'weight'\]"):
+        ours.load_state_dict(torch.nn.Linear(4, 2).state_dict())
 
 
 def test_named_parameter_in_message():

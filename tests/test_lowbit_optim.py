@@ -295,3 +295,36 @@ def test_non_contiguous_param_and_via_cpu_path(monkeypatch):
     q.grad = g
     ob.step()
     assert torch.equal(r.detach(), q.detach())
+
+
+def test_sr_group_takes_full_path_each_step_and_other_groups_keep_their_plan():
+    """Cached step plans (step_plan.py) carry no per-step stochastic-rounding key: a group with
+    ``bf16_stochastic_round`` is never planned and matches the reference on every step, while a
+    plain group of the same optimizer is planned and used from its second step."""
+    from mps_fused_adam import step_plan
+    from mps_fused_adam.reference import reference_adam_
+    from mps_fused_adam.reference_lowbit import reference_adam_sr_
+
+    torch.manual_seed(3)
+    sr_ps = [torch.nn.Parameter(torch.randn(n).bfloat16()) for n in (300, 1000)]
+    plain = torch.nn.Parameter(torch.randn(50))
+    opt = mfa.AdamW([{"params": sr_ps, "bf16_stochastic_round": True}, {"params": [plain]}], lr=1e-2)
+    refs = [[p.detach().clone(), torch.zeros_like(p), torch.zeros_like(p)] for p in sr_ps]
+    pref = [plain.detach().clone(), torch.zeros(50), torch.zeros(50)]
+    for step in range(1, 6):
+        for p, r in zip(sr_ps, refs):
+            p.grad = torch.randn(p.shape).bfloat16()
+            r.append(p.grad.clone())
+        plain.grad = torch.randn(50)
+        opt.step()
+        for p, r in zip(sr_ps, refs):
+            hp = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 1e-2, step, adam_w_mode=True)
+            reference_adam_sr_(r[0], r.pop(), r[1], r[2], hp, lowbit.sr_key(opt.state[p]["sr_seed"], step))
+            assert torch.equal(p.detach().view(torch.int16), r[0].view(torch.int16)), step
+            assert torch.equal(opt.state[p]["exp_avg_sq"], r[2]) and opt.state[p]["step"] == step
+        reference_adam_(pref[0], plain.grad, pref[1], pref[2], AdamHyper(1e-2, 0.9, 0.999, 1e-8, 1e-2, step,
+                                                                         adam_w_mode=True))
+        assert torch.equal(plain.detach(), pref[0])
+    assert 0 not in opt._plans
+    if step_plan.native() is not None:
+        assert isinstance(opt._plans.get(1), step_plan.Plan) and opt._plans[1].uses == 4

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from emulated_mps import METAL_SOURCE, Emulator, build_emulator, compile_emulator, find_compiler, host_names
-from mps_fused_adam.contract import RULES, AdamHyper
+from mps_fused_adam.contract import RULES, AdagradHyper, AdamHyper, LionHyper
 from mps_fused_adam.mps_backends import KERNELS, pack_params
 from mps_fused_adam.reference import reference_adam_
 
@@ -37,6 +37,11 @@ STEPS = 4
 def emu() -> Emulator:
     # Fails (does not skip) without a compiler: CI has g++, and a skipped emulator tests nothing.
     return build_emulator()
+
+
+# One hyperparameter object per rule, for the checks that only need the struct's size.
+RULE_HYPER = {"adam": AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 1), "lion": LionHyper(1e-3, 0.9, 0.99, 0.1),
+              "adagrad": AdagradHyper(1e-2, 1e-10, 0.1, 1)}
 
 
 def hyper(step: int, **mode) -> AdamHyper:
@@ -86,17 +91,17 @@ def test_kernel_names_agree(emu):
     """What the source exports, what the emulator runs and what the Python tiers call are one set."""
     exported = host_names(METAL_SOURCE.read_text())
     assert sorted(exported) == sorted(emu.kernel_names) == sorted(KERNELS.values())
-    assert len(exported) == 5
+    assert len(exported) == 5 * len(RULES)
     # Before Metal 3.1 (no bfloat type) only the float and half kernels exist.
-    assert sorted(host_names(METAL_SOURCE.read_text(), metal_version=300)) == [
-        "fused_adam_float_float", "fused_adam_half_float", "fused_adam_half_half"]
+    assert sorted(host_names(METAL_SOURCE.read_text(), metal_version=300)) == sorted(
+        f"fused_{rule}_{pair}" for rule in RULES for pair in ("float_float", "half_float", "half_half"))
 
 
 def test_params_struct_size(emu):
     """Every kernel's Params struct is its rule's packed scalars, byte for byte in size, and
     takes param, grad and the rule's states."""
     for (rule, _, _), name in KERNELS.items():
-        assert emu.params_size[name] == len(RULES[rule].pack(hyper(1)))
+        assert emu.params_size[name] == len(RULES[rule].pack(RULE_HYPER[rule]))
         assert emu.buffer_count[name] == 2 + len(RULES[rule].states)
     assert emu.params_size["fused_adam_float_float"] == 44
 
@@ -234,9 +239,17 @@ def test_every_line_of_the_kernel_runs(tmp_path):
     text = METAL_SOURCE.read_text()
     lib = compile_emulator(text, tmp_path, coverage=True)
     cov = Emulator(lib, text)
+    from test_rules_kernels import RULE_NAMES
+    from test_rules_kernels import hyper as rule_hyper
+    from test_rules_kernels import make as rule_tensors
     for pdtype, sdtype in VARIANTS:
         for mode in MODES:
             run_both(cov, 6, pdtype, sdtype, mode, steps=1)  # one vector body and a tail of 2
+        for rule in RULE_NAMES:
+            for maximize, wd in ((False, 0.0), (True, 0.1)):
+                # Specials in the first 40 elements: every branch of Lion's sign runs.
+                p, g, st = rule_tensors(rule, 46, pdtype, sdtype, specials=True)
+                cov.run_tensors(p, g, st, None, RULES[rule].pack(rule_hyper(rule, 1, maximize, wd)), rule=rule)
     cov.lib.emu_coverage_dump()
     proc = subprocess.run([gcov, "-m", "-o", str(tmp_path), str(Path(__file__).parent / "metal_emulator.cpp")],
                           cwd=tmp_path, capture_output=True, text=True)
@@ -244,9 +257,9 @@ def test_every_line_of_the_kernel_runs(tmp_path):
     report = (tmp_path / "fused_adam.metal.gcov").read_text()
     unexecuted = [line for line in report.splitlines() if re.match(r"\s*(#####|=====):", line)]
     assert not unexecuted, "\n".join(unexecuted)
-    # Each instantiation shows up as its own block; all five kernels must have run. (gcov's
+    # Each instantiation shows up as its own block; all kernels must have run. (gcov's
     # demangler leaves the _Float16 ones mangled.)
-    kernels = re.findall(r"^(?:void fused_step_2<[^>]*>|_Z12fused_step_2\w+)", report, flags=re.M)
-    assert len(kernels) == 5, kernels
+    kernels = re.findall(r"^(?:void fused_step_[12]<[^>]*>|_Z12fused_step_[12]\w+)", report, flags=re.M)
+    assert len(kernels) == 5 * len(RULES), kernels
     executed = [int(c) for c in re.findall(r"^\s*(\d+)\*?:\s+\d+:\s+Rule::apply\(", report, re.M)]
     assert executed and all(c > 0 for c in executed)

@@ -11,6 +11,7 @@ import inspect
 import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -76,6 +77,7 @@ def test_apple_only_code_under_250_lines():
 def test_apple_cmake_compiles_without_fast_math():
     text = APPLE_CMAKE.read_text()
     assert "-fno-fast-math" in text and "-std=metal3.1" in text and "-mmacosx-version-min=" in text
+    assert "-ffp-contract=off" in text
     assert re.search(r"target_link_libraries\(_metal PRIVATE \$\{MFA_METAL_FRAMEWORK\} \$\{MFA_FOUNDATION_FRAMEWORK\}\)", text)
     assert "torch" not in re.sub(r"#.*", "", text).lower()  # nothing of torch at build time
 
@@ -134,22 +136,14 @@ def test_objective_cpp_parses_against_documented_api():
     assert proc.returncode == 0, proc.stderr
 
 
-@pytest.mark.skipif(sys.platform == "darwin", reason="on macOS the wheel build runs it for real")
-def test_apple_cmake_builds_the_metallib_with_the_documented_commands(tmp_path):
-    """cmake/apple_metal.cmake configured and its metallib target built on Linux, with `xcrun`
-    replaced by a recorder: the AIR compile and metallib link commands it would run on a Mac."""
-    import subprocess
+def _configure_apple_cmake(tmp_path: Path, xcrun_script: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Configure cmake/apple_metal.cmake on Linux with `xcrun` replaced by ``xcrun_script`` (which
+    may use $LOG, the file each call's arguments are appended to). Returns the configure run."""
     clang = _clang() or require_tool("clang++")[0]
     cmake, _ = require_tool("cmake", "make")
     bin_dir, src, log = tmp_path / "bin", tmp_path / "src", tmp_path / "xcrun.log"
     bin_dir.mkdir()
-    (bin_dir / "xcrun").write_text(
-        "#!/bin/sh\n"
-        f'echo "$*" >> "{log}"\n'
-        'out=""; prev=""\n'
-        'for a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done\n'
-        '[ -n "$out" ] && touch "$out"\n'
-        "exit 0\n")
+    (bin_dir / "xcrun").write_text(f'#!/bin/sh\nLOG="{log}"\necho "$*" >> "$LOG"\n' + xcrun_script)
     (bin_dir / "xcrun").chmod(0o755)
     src.mkdir()
     (src / "src").mkdir()
@@ -169,16 +163,86 @@ def test_apple_cmake_builds_the_metallib_with_the_documented_commands(tmp_path):
                  f"-DCMAKE_OBJCXX_COMPILER={clang}",
                  f"-DPython_EXECUTABLE={sys.executable}",
                  f"-DMFA_METAL_FRAMEWORK={fake_fw}", f"-DMFA_FOUNDATION_FRAMEWORK={fake_fw}"]
-    for cmd in (configure, [cmake, "--build", str(tmp_path / "build"), "--target", "mfa_metallib"]):
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-    calls = log.read_text().splitlines()
-    build = tmp_path / "build"
+    proc = subprocess.run(configure, env=env, capture_output=True, text=True)
+    if proc.returncode == 0:
+        build = subprocess.run([cmake, "--build", str(tmp_path / "build"), "--target", "mfa_metallib"],
+                               env=env, capture_output=True, text=True)
+        assert build.returncode == 0, build.stdout + build.stderr
+    return proc, (log.read_text().splitlines() if log.exists() else [])
+
+
+# A working toolchain: `metal --version` prints a version; other calls create their -o file.
+_RECORDING_XCRUN = (
+    '[ "$*" = "-sdk macosx metal --version" ] && { echo "Apple metal version 32023.830 (metalfe-32023.830.1)"; exit 0; }\n'
+    'out=""; prev=""\n'
+    'for a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done\n'
+    '[ -n "$out" ] && touch "$out"\n'
+    "exit 0\n")
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="on macOS the wheel build runs it for real")
+def test_apple_cmake_builds_the_metallib_with_the_documented_commands(tmp_path):
+    """cmake/apple_metal.cmake configured and its metallib target built on Linux, with `xcrun`
+    replaced by a recorder: the toolchain check, then the AIR compile (fast math off and FP
+    contraction off: MSL's "safe" math mode alone still contracts) and the metallib link."""
+    proc, calls = _configure_apple_cmake(tmp_path, _RECORDING_XCRUN)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    build, src = tmp_path / "build", tmp_path / "src"
     assert calls == [
-        "-sdk macosx -f metal",
-        f"-sdk macosx metal -std=metal3.1 -mmacosx-version-min=14.0 -fno-fast-math -Wall -Wextra "
-        f"-c {src / 'metal' / 'fused_adam.metal'} -o {build / 'fused_adam.air'}",
+        "-sdk macosx metal --version",
+        f"-sdk macosx metal -std=metal3.1 -mmacosx-version-min=14.0 -fno-fast-math -ffp-contract=off "
+        f"-Wall -Wextra -c {src / 'metal' / 'fused_adam.metal'} -o {build / 'fused_adam.air'}",
         f"-sdk macosx metallib {build / 'fused_adam.air'} -o {build / 'fused_adam.metallib'}",
     ]
     flags = (build / "CMakeFiles" / "_metal.dir" / "flags.make").read_text()
     assert "-fobjc-arc" in flags
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="on macOS the wheel build runs it for real")
+@pytest.mark.parametrize("stub", [
+    # Xcode 26 without the Metal toolchain component: `xcrun -f metal` succeeds, running it fails.
+    '[ "$1 $2" = "-sdk macosx" ] && [ "$3" = "-f" ] && { echo /usr/bin/metal; exit 0; }\n'
+    "echo \"error: cannot execute tool 'metal' due to missing Metal Toolchain; use: "
+    'xcodebuild -downloadComponent MetalToolchain" >&2\nexit 72\n',
+    # The same message with a zero exit status.
+    "echo \"error: cannot execute tool 'metal' due to missing Metal Toolchain\"\nexit 0\n",
+], ids=["exit-72", "exit-0"])
+def test_apple_cmake_stops_without_the_metal_toolchain(tmp_path, stub):
+    proc, calls = _configure_apple_cmake(tmp_path, stub)
+    assert proc.returncode != 0
+    out = " ".join((proc.stdout + proc.stderr).split())  # cmake wraps long messages
+    assert "The Metal compiler does not run" in out and "xcodebuild -downloadComponent MetalToolchain" in out
+    assert "missing Metal Toolchain" in out  # the tool's own words are passed on
+    assert calls == ["-sdk macosx metal --version"]  # stopped before compiling anything
+
+
+def test_kernel_math_uses_precise_sqrt_and_division():
+    """Square root and division in metal::precise:: forms, so they stay correctly rounded when
+    torch compiles tier 3 with fast math (PYTORCH_MPS_FAST_MATH=1); contraction off by the pragmas
+    the MSL specification documents for every language version we compile with."""
+    from emulated_mps import METAL_SOURCE
+    text = METAL_SOURCE.read_text()
+    code = "\n".join(line for line in re.sub(r"//[^\n]*", "", text).splitlines()
+                     if not line.lstrip().startswith("#"))
+    assert "precise::sqrt(" in code and "precise::divide(" in code
+    assert re.findall(r"(?<!precise::)\bsqrt\s*\(", code) == []
+    assert "/" not in code, "a bare division: use metal::precise::divide"
+    pragmas = [l.strip() for l in text.splitlines() if l.strip().startswith("#pragma")]
+    assert "#pragma STDC FP_CONTRACT OFF" in pragmas
+    guarded = text[text.index("#if __METAL_VERSION__ >= 320"):]
+    assert guarded.index("#pragma METAL fp contract(off)") < guarded.index("#endif")
+
+
+def test_extension_uses_pytorchs_device_and_null_safe_image_names():
+    """The library and pipelines are built on the device of PyTorch's command buffer (read on its
+    queue), never on MTLCreateSystemDefaultDevice(), which torch 2.13 does not use and which can be
+    nil without CoreGraphics; dyld image names may be NULL while images change."""
+    code = re.sub(r"//[^\n]*", "", MM.read_text())
+    assert "MTLCreateSystemDefaultDevice" not in code and "MTLCopyAllDevices" not in code
+    load = code[code.index("void load("):code.index("uint64_t field(")]
+    assert re.search(r"dispatch_sync\(g_torch\.get_dispatch_queue\(\),\s*\^\{\s*device = "
+                     r"g_torch\.get_command_buffer\(\)\.device;\s*\}\);", load)
+    assert load.index("device = g_torch.get_command_buffer()") < load.index("newLibraryWithURL")
+    image = code[code.index("_dyld_get_image_name(i)"):]
+    assert re.match(r"_dyld_get_image_name\(i\);\s*const size_t len = image != nullptr \? std::strlen\(image\) : 0;",
+                    image)

@@ -191,11 +191,11 @@ def test_fallback_when_extension_missing(emu, pkg):
 
 def test_old_torch_skips_tier1(emu, pkg):
     backend, msgs = _select(mps_tiers(load_ext=lambda: FakeMetalExt(emu), mps_api=FakeMpsApi(emu),
-                                      package_dir=pkg, torch_version=lambda: (2, 9)))
+                                      package_dir=pkg, torch_version=lambda: (2, 8)))
     assert backend.name == "load_metallib"
-    assert len(msgs) == 1 and "older than 2.10" in msgs[0]
+    assert len(msgs) == 1 and "older than 2.9" in msgs[0] and "endKernelCoalescing" in msgs[0]
     backend, msgs = _select(mps_tiers(load_ext=lambda: FakeMetalExt(emu), mps_api=FakeMpsApi(emu),
-                                      package_dir=pkg, torch_version=lambda: (2, 10)))
+                                      package_dir=pkg, torch_version=lambda: (2, 9)))
     assert backend.name == "metal" and msgs == []
 
 
@@ -226,7 +226,8 @@ def test_library_without_bfloat_kernels_is_refused(emu, pkg):
     backend, msgs = _select(mps_tiers(load_ext=lambda: FakeMetalExt(emu), mps_api=FakeMpsApi(emu),
                                       package_dir=pkg))
     assert backend.name == "foreach"
-    assert "lacks kernels ['fused_adam_bfloat_bfloat', 'fused_adam_bfloat_float']" in msgs[2]
+    missing = sorted(f"fused_{rule}_bfloat_{s}" for rule in ("adam", "lion", "adagrad") for s in ("bfloat", "float"))
+    assert f"lacks kernels {missing}" in msgs[2]
 
 
 @pytest.mark.skipif(sys.platform == "darwin", reason="macOS wheels carry _metal and the metallib")
@@ -251,3 +252,42 @@ def test_bundled_source_is_found():
     from mps_fused_adam import mps_backends
     found = find_metal_source(mps_backends._package_dir())
     assert found.read_text() == METAL_SOURCE.read_text()
+
+
+def test_fast_math_note_per_tier():
+    """What PYTORCH_MPS_FAST_MATH can change: nothing for the prebuilt metallib (tiers 1 and 2);
+    for tier 3, which torch compiles, NaN/Inf handling and subnormals (sqrt and division stay
+    precise); nothing of ours for foreach."""
+    from mps_fused_adam.mps_backends import fast_math_note
+    for name in ("metal", "load_metallib"):
+        for env in ({}, {"PYTORCH_MPS_FAST_MATH": "1"}):
+            assert fast_math_note(name, env).startswith("not applicable: prebuilt metallib")
+    assert fast_math_note("compile_shader", {}).startswith("off")
+    assert fast_math_note("compile_shader", {"PYTORCH_MPS_FAST_MATH": "0"}).startswith("off")
+    on = fast_math_note("compile_shader", {"PYTORCH_MPS_FAST_MATH": "1"})
+    assert on.startswith("on (PYTORCH_MPS_FAST_MATH=1)")
+    assert "NaN/Inf" in on and "subnormals" in on and "metal::precise::" in on
+    assert fast_math_note("foreach", {"PYTORCH_MPS_FAST_MATH": "1"}) is None
+
+
+def test_backend_info_reports_fast_math_for_the_mps_tier(monkeypatch, emu, pkg):
+    """backend_info()["mps"] carries the active tier's fast-math note (tier 3 chosen here through
+    the stand-ins, with the variable set as a user would)."""
+    monkeypatch.setattr(backends, "_chosen", {})
+    monkeypatch.setattr(backends, "_reasons", {})
+    monkeypatch.setenv("PYTORCH_MPS_FAST_MATH", "1")
+
+    def no_ext():
+        raise ImportError("no _metal here")
+    api = FakeMpsApi(emu)
+    monkeypatch.setattr(api, "load_metallib", None, raising=False)
+    monkeypatch.setattr(backends, "_tiers", lambda device_type: (
+        mps_tiers(load_ext=no_ext, mps_api=api, package_dir=pkg) if device_type == "mps"
+        else [("_cpu extension", backends.CPUBackend)]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        backends.get_backend("mps")
+        info = backends.backend_info()
+    assert info["mps"]["backend"] == "compile_shader"
+    assert info["mps"]["fast_math"].startswith("on (PYTORCH_MPS_FAST_MATH=1)")
+    assert "fast_math" not in info["cpu"]

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 
 
 def quick_start_blocks() -> list[str]:
@@ -28,8 +29,87 @@ def test_quick_start_example_runs(index):
     assert run.returncode == 0, run.stderr
 
 
+def _readme_setup():
+    """ci/readme_setup.py, which .ci/run uses to take the set-up commands from the README."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("readme_setup", ROOT / "ci" / "readme_setup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_setup_commands_are_the_ones_ci_runs():
     text = README.read_text(encoding="utf-8")
-    assert "python -m mps_fused_adam" in text and "python -m pytest tests" in text
-    ci = (README.parent / "ci" / "test_installed_wheel.sh").read_text(encoding="utf-8")
-    assert "python -m mps_fused_adam\n" in ci and "python -m pytest tests" in ci
+    commands = _readme_setup().setup_commands(text).splitlines()
+    # A fresh virtual environment first, then install + report, then the tests.
+    assert commands[0].startswith("python3 -m venv .venv && . .venv/bin/activate"), commands
+    assert "&& python -m mps_fused_adam" in commands[1] and "&& python -m pytest tests" in commands[2], commands
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert "ci/test_readme_setup.sh" in ci and "ci/test_installed_wheel.sh" in ci
+    assert "readme_setup.py\" commands" in (ROOT / "ci" / "test_readme_setup.sh").read_text(encoding="utf-8")
+    wheel_ci = (ROOT / "ci" / "test_installed_wheel.sh").read_text(encoding="utf-8")
+    assert "python -m mps_fused_adam\n" in wheel_ci and "python -m pytest tests" in wheel_ci
+
+
+def test_setup_installs_what_the_tests_need():
+    """The README's pip lines install torch pinned, from the default index (no index our machines
+    cannot reach), and everything in the package's `test` extra; and every test module imports at
+    module level only the standard library, torch, pytest, the package and what those lines install
+    (a fresh machine would otherwise collect nothing)."""
+    import ast
+    rs = _readme_setup()
+    commands = rs.setup_commands(README.read_text(encoding="utf-8"))
+    assert "torch==2.13.0" in commands and "--index-url" not in commands and "--extra-index-url" not in commands
+    installed = rs.pip_installs(commands)
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    extra = re.search(r"^test = \[(.*?)\]", pyproject, flags=re.M).group(1)
+    test_extra = {re.split(r"[=<>!~\[]", name)[0].lower() for name in re.findall(r'"([^"]+)"', extra)}
+    assert test_extra and test_extra <= installed, f"the test extra {test_extra} is not all installed by {installed}"
+    tests = Path(__file__).resolve().parent
+    local = {f.stem for f in tests.rglob("*.py")} | {d.name for d in tests.iterdir() if d.is_dir()}
+    known = set(sys.stdlib_module_names) | {"torch", "pytest", "_pytest", "mps_fused_adam"} | local | installed
+    undeclared = set()
+    for f in tests.rglob("*.py"):
+        for node in ast.parse(f.read_text(encoding="utf-8")).body:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
+            undeclared |= {f"{f.name}: {n}" for n in names if n.split(".")[0] not in known}
+    assert not undeclared
+
+
+def test_optional_tools_table_matches_the_tests():
+    """Each optional thing the README names is one a test really asks for (no stale rows), and the
+    checks of the newcomer's run accept exactly the skips for them."""
+    rs = _readme_setup()
+    names = rs.optional_names(README.read_text(encoding="utf-8"))
+    assert {"aarch64-linux-gnu-g++", "qemu-aarch64", "clang++", "deepspeed", "MFA_WHEEL", "MFA_DS_CPU_ADAM_SO"} <= set(names)
+    sources = "\n".join(f.read_text(encoding="utf-8") for f in Path(__file__).resolve().parent.rglob("*.py"))
+    for name in names:
+        assert name in sources, f"the README names {name!r} as optional, but no test mentions it"
+    ok = ("SKIPPED [2] tests/test_x.py:3: required tools not on PATH: clang++\n"
+          "=== 1000 passed, 2 skipped in 9.0s ===\n")
+    assert rs.check_log(ok, names, 1000) == []
+    assert rs.check_log(ok, names, 1001)  # below the floor
+    stray = ok.replace("clang++", "gfortran")
+    assert any("does not name as optional" in p for p in rs.check_log(stray, names, 10))
+    assert rs.check_log("=== 1 failed, 999 passed in 9.0s ===\n", names, 10)
+    assert rs.check_log("Interrupted: 1 error during collection\n=== 1 error in 2.0s ===\n", names, 0)
+
+
+def test_cli_options_are_documented():
+    from mps_fused_adam.__main__ import build_parser
+    text = README.read_text(encoding="utf-8")
+    options = [o for a in build_parser()._actions for o in a.option_strings if o.startswith("--") and o != "--help"]
+    assert {"--no-bench", "--check", "--json", "--version"} <= set(options)
+    for option in options:
+        if option != "--self-check-only":  # the long alias of --check
+            assert f"`{option}`" in text, option
+
+
+def test_compiler_advice_is_the_same_in_readme_and_cmake():
+    """What the README's Set-up says to install for a compiler is what CMake's error says."""
+    section = _readme_setup().setup_section(README.read_text(encoding="utf-8"))
+    cmake = (ROOT / "CMakeLists.txt").read_text(encoding="utf-8")
+    for command in ("sudo apt install g++", "sudo dnf install gcc-c++", "xcode-select --install"):
+        assert command in section and command in cmake, command
+    assert "Set-up section" in cmake

@@ -1,54 +1,136 @@
 """``python -m mps_fused_adam``: versions, backends (and why the others are not available), the
 SIMD path and thread count, a self-check of every available backend, and a short benchmark.
-Exits non-zero if a self-check fails."""
+``--help`` lists the options; the exit status is non-zero if a self-check fails."""
 from __future__ import annotations
 
+import argparse
+import json
 import platform
 import sys
+from typing import Any, Optional
 
-import torch
+from ._version import __version__
 
-from . import __version__, backend_info
-from .selfcheck import all_checks, torch_agreement
+EXIT_OK, EXIT_CHECK_FAILED = 0, 1  # argparse exits with 2 on a usage error
 
 
-def main() -> int:
-    print(f"mps_fused_adam {__version__}  torch {torch.__version__}  Python {platform.python_version()}  "
-          f"{platform.system()} {platform.machine()}")
+def build_parser() -> argparse.ArgumentParser:
+    """The command line. Parsed before torch is imported, so ``--help`` answers at once."""
+    ap = argparse.ArgumentParser(
+        prog="python -m mps_fused_adam",
+        description="Report versions and available backends, check every backend against the reference "
+                    "implementation, and run a short benchmark.",
+        epilog="Exit status: 0 when every self-check passes, 1 when one fails, 2 on a usage error. "
+               "The full benchmark is python -m mps_fused_adam.bench.")
+    ap.add_argument("--version", action="version", version=f"mps_fused_adam {__version__}")
+    what = ap.add_mutually_exclusive_group()
+    what.add_argument("--no-bench", action="store_true", help="skip the short benchmark (report and self-check only)")
+    what.add_argument("--check", "--self-check-only", dest="check_only", action="store_true",
+                      help="run only the self-check: no environment report, no benchmark")
+    ap.add_argument("--json", action="store_true",
+                    help="print one JSON object (report, self-check, benchmark rows) instead of text")
+    return ap
+
+
+def environment() -> dict[str, Any]:
+    """Versions, devices, threads and the backend of each device type, with the reasons why the
+    other backends are not used."""
+    import torch
+
+    from . import backend_info
     try:  # metadata only: importing deepspeed takes seconds and probes accelerators
         from importlib.metadata import version
-        print(f"deepspeed {version('deepspeed')} installed (see mps_fused_adam.deepspeed.install())")
+        deepspeed: Optional[str] = version("deepspeed")
     except Exception:
-        print("deepspeed: not installed")
+        deepspeed = None
     mps = getattr(torch.backends, "mps", None)
-    print(f"MPS device: {'available' if mps is not None and mps.is_available() else 'not available'}")
-    print(f"threads: {torch.get_num_threads()} (torch.get_num_threads(), followed by the CPU kernel)")
+    return {"mps_fused_adam": __version__, "torch": torch.__version__, "python": platform.python_version(),
+            "platform": f"{platform.system()} {platform.machine()}", "deepspeed": deepspeed,
+            "mps_available": bool(mps is not None and mps.is_available()),
+            "threads": torch.get_num_threads(), "backends": backend_info()}
+
+
+def print_environment(env: dict[str, Any]) -> None:
+    print(f"mps_fused_adam {env['mps_fused_adam']}  torch {env['torch']}  Python {env['python']}  {env['platform']}")
+    print(f"deepspeed {env['deepspeed']} installed (see mps_fused_adam.deepspeed.install())" if env["deepspeed"]
+          else "deepspeed: not installed")
+    print(f"MPS device: {'available' if env['mps_available'] else 'not available'}")
+    print(f"threads: {env['threads']} (torch.get_num_threads(), followed by the CPU kernel)")
     print("\nBackends:")
-    for device, info in backend_info().items():
+    for device, info in env["backends"].items():
         extra = f", SIMD {info['simd']}" if "simd" in info else ""
         print(f"  {device}: {info['backend']}{extra}")
         for reason in info["unavailable"]:
             print(f"    not used: {reason}")
-    if not (mps is not None and mps.is_available()):
+        if "fast_math" in info:
+            print(f"    fast math: {info['fast_math']}")
+    if not env["mps_available"]:
         print("  mps: no MPS device here; the Metal tiers run on Apple Silicon only")
 
-    print("\nSelf-check against the reference (bound: 8 eps x max|ref|):")
-    failed = 0
-    for r in all_checks():
-        verdict = "ok" if r.passed else "FAIL"
-        failed += not r.passed
-        print(f"  {verdict:4} {r.backend:18} {r.device:4} {r.dtypes:18} worst {r.worst_in_eps:.3g} eps"
-              f"{'  (bit-exact)' if r.bit_exact else ''}")
-    if failed:
-        print(f"\n{failed} self-check(s) FAILED")
-        return 1
-    a = torch_agreement()
-    print(f"\nThe contract against torch.optim.AdamW (fp32, 100 steps, 100K params): {a['identical']:.1%} "
-          f"bit-identical, mean {a['mean_ulps']:.2f} ulps, largest difference {a['max_in_eps']:.3g} eps x max|p|")
 
-    print("\nShort benchmark (python -m mps_fused_adam.bench for the full one):")
-    from .bench import main as bench_main
-    return bench_main(["--quick", "--threads", str(torch.get_num_threads())])
+def self_check(echo: bool) -> list[dict[str, Any]]:
+    """Every available backend against the reference; printed line by line as it runs if ``echo``."""
+    from .selfcheck import all_checks
+    if echo:
+        print("Self-check against the reference (bound: 8 eps x max|ref|):")
+    results = []
+    for r in all_checks():
+        results.append({"backend": r.backend, "device": r.device, "dtypes": r.dtypes,
+                        "worst_in_eps": r.worst_in_eps, "bit_exact": r.bit_exact, "passed": r.passed})
+        if echo:
+            print(f"  {'ok' if r.passed else 'FAIL':4} {r.backend:18} {r.device:4} {r.dtypes:26} "
+                  f"worst {r.worst_in_eps:.3g} eps{'  (bit-exact)' if r.bit_exact else ''}", flush=True)
+    return results
+
+
+def benchmark(echo: bool) -> list[dict[str, Any]]:
+    """The short CPU benchmark (``bench.QUICK``) at the current thread count."""
+    from dataclasses import asdict
+
+    import torch
+
+    from . import bench
+    if echo:
+        print("Short benchmark (python -m mps_fused_adam.bench for the full one):")
+        print(bench.SPREAD_NOTE)
+        print(bench.HEADER)
+        print("|---|---|---|---|---|---|---|---|")
+    rows = bench.cpu_section(thread_counts=[torch.get_num_threads()], deepspeed=False, echo=echo, **bench.QUICK)
+    note = bench.noise_note(rows)
+    if note and echo:
+        print(note)
+    return [asdict(r) for r in rows]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    text = not args.json
+    report: dict[str, Any] = {}
+    if not args.check_only:
+        report["environment"] = environment()
+        if text:
+            print_environment(report["environment"])
+            print()
+    report["self_check"] = self_check(echo=text)
+    failed = sum(not r["passed"] for r in report["self_check"])
+    report["passed"] = failed == 0
+    if failed and text:
+        print(f"\n{failed} self-check(s) FAILED")
+    if not (failed or args.check_only):
+        from .selfcheck import torch_agreement
+        a = report["torch_agreement"] = torch_agreement()
+        if text:
+            print(f"\nThe contract against torch.optim.AdamW (fp32, 100 steps, 100K params): "
+                  f"{a['identical']:.1%} bit-identical, mean {a['mean_ulps']:.2f} ulps, "
+                  f"largest difference {a['max_in_eps']:.3g} eps x max|p|")
+    if not (failed or args.check_only or args.no_bench):
+        if text:
+            print()
+        report["benchmark"] = benchmark(echo=text)
+    if args.json:
+        json.dump(report, sys.stdout, indent=1)
+        print()
+    return EXIT_CHECK_FAILED if failed else EXIT_OK
 
 
 if __name__ == "__main__":

@@ -13,13 +13,33 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
-from .contract import AdamHyper, adam_scalars, rule as rule_spec
+from .contract import AdagradHyper, AdamHyper, LionHyper, adagrad_scalars, adam_scalars, lion_scalars
+from .contract import rule as rule_spec
 
 TensorList = Sequence[torch.Tensor]
+
+
+class Addressed(list):
+    """A list of tensors that also carries what a backend would otherwise read from each of them:
+    ``addresses`` (``data_ptr()``) and, where known, ``numels``. The optimizer's step plans hand
+    these over (step_plan.py), having read and checked the addresses this step."""
+
+    addresses: list[int]
+    numels: Optional[list[int]]
+
+
+def addresses(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """Every tensor's ``data_ptr()``, taken from an :class:`Addressed` list when it has them."""
+    return tensors.addresses if type(tensors) is Addressed else [t.data_ptr() for t in tensors]
+
+
+def numels(tensors: Sequence[torch.Tensor]) -> list[int]:
+    known = tensors.numels if type(tensors) is Addressed else None
+    return known if known is not None else [t.numel() for t in tensors]
 
 
 class Backend(Protocol):
@@ -55,6 +75,50 @@ def _foreach_adam(params: TensorList, grads: TensorList, states: Sequence[Tensor
         torch._foreach_copy_(list(exp_avg_sqs), v)
 
 
+def _sign(c: torch.Tensor) -> torch.Tensor:
+    """Lion's sign (contract.py): 1, -1, c - c (+0 for both zeros, NaN for NaN)."""
+    one = torch.ones_like(c)
+    return torch.where(c > 0, one, torch.where(c < 0, -one, c - c))
+
+
+def _foreach_lion(params: TensorList, grads: TensorList, states: Sequence[TensorList], hp: LionHyper) -> None:
+    """Lion (contract.py) in ``torch._foreach_*`` ops, each a separate fp32 op in the kernels' order."""
+    s = lion_scalars(hp)
+    (exp_avgs,) = states
+    p = [t.float() for t in params]
+    g = [t.float() for t in grads]
+    m = [t.float() for t in exp_avgs]
+    if s.maximize:
+        g = torch._foreach_neg(g)
+    c = torch._foreach_add(torch._foreach_mul(m, s.beta1), torch._foreach_mul(g, s.one_minus_beta1))
+    p = torch._foreach_mul(p, s.decay)
+    p = torch._foreach_sub(p, torch._foreach_mul([_sign(t) for t in c], s.lr))
+    m = torch._foreach_add(torch._foreach_mul(m, s.beta2), torch._foreach_mul(g, s.one_minus_beta2))
+    with torch.no_grad():
+        torch._foreach_copy_(list(params), p)
+        torch._foreach_copy_(list(exp_avgs), m)
+
+
+def _foreach_adagrad(params: TensorList, grads: TensorList, states: Sequence[TensorList], hp: AdagradHyper) -> None:
+    """Adagrad (contract.py) in ``torch._foreach_*`` ops, each a separate fp32 op in the kernels' order."""
+    s = adagrad_scalars(hp)
+    (sums,) = states
+    p = [t.float() for t in params]
+    g = [t.float() for t in grads]
+    acc = [t.float() for t in sums]
+    if s.maximize:
+        g = torch._foreach_neg(g)
+    if s.l2:
+        g = torch._foreach_add(g, torch._foreach_mul(p, s.weight_decay))
+    acc = torch._foreach_add(acc, torch._foreach_mul(g, g))
+    # float64 sqrt rounded once, and a true division by full tensors (see _foreach_adam).
+    denom = torch._foreach_add([t.double().sqrt_().float() for t in acc], s.eps)
+    p = torch._foreach_sub(p, torch._foreach_mul(torch._foreach_div(g, denom), s.clr))
+    with torch.no_grad():
+        torch._foreach_copy_(list(params), p)
+        torch._foreach_copy_(list(sums), acc)
+
+
 class ForeachBackend:
     """Tier 4: ``torch._foreach_*`` ops in fp32 math, rounded back to the storage dtype.
 
@@ -63,13 +127,18 @@ class ForeachBackend:
     """
 
     name = "foreach"
-    RULES: dict[str, Callable[..., None]] = {"adam": _foreach_adam}
+    RULES: dict[str, Callable[..., None]] = {"adam": _foreach_adam, "lion": _foreach_lion, "adagrad": _foreach_adagrad}
 
     def update(self, rule: str, params, grads, states, hp) -> None:
         fn = self.RULES.get(rule)
         if fn is None:
             raise NotImplementedError(f"the foreach tier has no form of rule {rule!r}")
         fn(params, grads, states, hp)
+
+
+# Every SIMD path the C++ kernel can be built with (src/cpu/dispatch.cpp), best first; which of
+# them a CPU supports is _cpu.simd_paths().
+KNOWN_SIMD_PATHS = ("avx512bf16", "avx512", "avx2", "neon", "scalar")
 
 
 class CPUBackend:
@@ -83,15 +152,16 @@ class CPUBackend:
         self.simd = _cpu.simd_path()
         wanted = os.environ.get("MPS_FUSED_ADAM_SIMD")
         if wanted and wanted != self.simd:
-            warnings.warn(f"mps_fused_adam: MPS_FUSED_ADAM_SIMD={wanted!r} is not supported on this CPU "
-                          f"(supported: {', '.join(_cpu.simd_paths())}); using {self.simd}", RuntimeWarning)
+            why = "is not supported on this CPU" if wanted in KNOWN_SIMD_PATHS else \
+                f"is unknown (known: {', '.join(KNOWN_SIMD_PATHS)})"
+            warnings.warn(f"mps_fused_adam: MPS_FUSED_ADAM_SIMD={wanted!r} {why} "
+                          f"(supported here: {', '.join(_cpu.simd_paths())}); using {self.simd}", RuntimeWarning)
 
     def update(self, rule: str, params, grads, states, hp, sr_keys=None) -> None:
         """``sr_keys``: for bf16 params, one ``lowbit.sr_key`` per param to store them by
         stochastic rounding (lowbit.py's contract); None rounds to nearest even."""
         self._cpu.step(
-            rule, [t.data_ptr() for t in params], [t.data_ptr() for t in grads],
-            [[t.data_ptr() for t in lst] for lst in states], [t.numel() for t in params],
+            rule, addresses(params), addresses(grads), [addresses(lst) for lst in states], numels(params),
             _DTYPE_CODES[params[0].dtype], _DTYPE_CODES[states[0][0].dtype],
             rule_spec(rule).pack(hp), torch.get_num_threads(), sr_keys,
         )
@@ -187,7 +257,11 @@ def get_backend(device: torch.device | str) -> Backend:
 
 
 def backend_info() -> dict[str, dict[str, object]]:
-    """What is active per device type tried so far (CPU always; MPS when available), and why not the rest."""
+    """What is active per device type tried so far (CPU always; MPS when available), and why not the rest.
+
+    Each entry: ``backend`` (its name), ``unavailable`` (why each preferred tier did not load), and
+    where they apply ``simd`` (the CPU kernel's SIMD path) and ``fast_math`` (MPS: what torch's
+    ``PYTORCH_MPS_FAST_MATH`` changes for the active Metal tier)."""
     get_backend("cpu")
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         get_backend("mps")
@@ -196,5 +270,10 @@ def backend_info() -> dict[str, dict[str, object]]:
         entry: dict[str, object] = {"backend": backend.name, "unavailable": list(_reasons.get(device_type, []))}
         if hasattr(backend, "simd"):
             entry["simd"] = backend.simd
+        if device_type == "mps":
+            from .mps_backends import fast_math_note
+            note = fast_math_note(backend.name)
+            if note is not None:
+                entry["fast_math"] = note
         info[device_type] = entry
     return info

@@ -1,16 +1,20 @@
-"""Benchmark: ``python -m mps_fused_adam.bench [--quick] [--deepspeed] [--plot out.png]``.
+"""Benchmark: ``python -m mps_fused_adam.bench [--quick] [--threads 1 4 16] [--no-deepspeed] [--plot out.png]
+[--overhead]`` (``--help``).
 
 CPU section: ours, ``torch.optim.AdamW(fused=True)``, ``torch.optim.AdamW(foreach=True)``,
-DeepSpeed's ``DeepSpeedCPUAdam`` (with ``--deepspeed``: its first use JIT-builds for minutes) and
-the memory floor (Adam's access pattern, 4 reads and 3 in-place writes, with trivial math, in our
-own loop and thread pool). All contenders of a case run interleaved, one step each in turn, and
-the median is kept: these machines are noisy, so only ratios within one run mean anything.
-Then the MPS section (``bench_mps``), which says "no MPS device" off Apple Silicon.
+DeepSpeed's ``DeepSpeedCPUAdam`` whenever it is importable (its first use JIT-builds for a minute
+or two; ``--no-deepspeed`` leaves it out) and the memory floor (Adam's access pattern, 4 reads and
+3 in-place writes, with trivial math, in our own loop and thread pool). All contenders of a case
+run interleaved, one step each in turn, and the median is kept: these machines are noisy, so only
+ratios within one run mean anything. A summary then gives, per case, ours against the fastest of
+the others and against the floor. Then the MPS section (``bench_mps``), which says "no MPS device"
+off Apple Silicon.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -21,7 +25,7 @@ import torch
 from . import CPUAdam, AdamW, backend_info
 from .backends import _DTYPE_CODES
 from .contract import RULES, AdamHyper
-from .timing import bytes_per_elem, interleaved
+from .timing import bytes_per_elem, interleaved_rounds, ratio_spread
 
 F32, BF16 = torch.float32, torch.bfloat16
 DTYPE_CASES = [("fp32", F32, F32), ("bf16/bf16", BF16, BF16), ("bf16/fp32-states", BF16, F32)]
@@ -37,6 +41,8 @@ class Row:
     gbps: float
     of_floor: Optional[float]  # floor time / this time: 1.0 is the memory floor's speed
     vs_torch_fused: Optional[float]  # torch fused time / this time: >1 is faster than torch
+    # The middle half (quartiles) of that ratio taken round by round: how far one round moves.
+    vs_torch_fused_spread: Optional[tuple[float, float]] = None
 
 
 def _params(count: int, size: int, dtype: torch.dtype) -> list[torch.nn.Parameter]:
@@ -48,37 +54,65 @@ def _params(count: int, size: int, dtype: torch.dtype) -> list[torch.nn.Paramete
     return params
 
 
-def _floor_fn(opt: torch.optim.Optimizer, params, pdtype, sdtype) -> Callable[[], None]:
+def _floor_fn(params, pdtype: torch.dtype, sdtype: torch.dtype) -> Callable[[], None]:
+    """The memory floor on tensors of its own, the size and dtypes of the case's: its trivial math
+    (v = v + g, ...) would otherwise leave negative second moments, and so NaN, in the tensors the
+    real optimizers share."""
     from . import _cpu
-    states = [opt.state[p] for p in params]
-    ptrs = ([p.data_ptr() for p in params], [p.grad.data_ptr() for p in params],
-            [[s["exp_avg"].data_ptr() for s in states], [s["exp_avg_sq"].data_ptr() for s in states]],
-            [p.numel() for p in params])
+    own = [(p.detach().clone(), p.grad.clone(), torch.zeros_like(p, dtype=sdtype), torch.zeros_like(p, dtype=sdtype))
+           for p in params]
+    ptrs = ([t[0].data_ptr() for t in own], [t[1].data_ptr() for t in own],
+            [[t[2].data_ptr() for t in own], [t[3].data_ptr() for t in own]], [t[0].numel() for t in own])
     codes = (_DTYPE_CODES[pdtype], _DTYPE_CODES[sdtype])
     # The floor takes Adam's scalar struct (and ignores it), so its call is Adam's call.
     blob = RULES["adam"].pack(AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 1))
-    return lambda: _cpu.step("floor", *ptrs, *codes, blob, torch.get_num_threads())
+    return lambda: (own, _cpu.step("floor", *ptrs, *codes, blob, torch.get_num_threads()))[1]
 
 
-def _contenders(params, pdtype, sdtype, deepspeed: bool) -> dict[str, Callable[[], None]]:
+def _contenders(params, pdtype, sdtype, deepspeed: bool, foreach: bool = True) -> dict[str, Callable[[], None]]:
     ours = CPUAdam(params, fp32_optimizer_states=True) if sdtype != pdtype else AdamW(params, weight_decay=0.01)
-    ours.step()  # creates the state the floor loop walks over
-    found: dict[str, Callable[[], None]] = {"ours": ours.step, "floor": _floor_fn(ours, params, pdtype, sdtype)}
+    found: dict[str, Callable[[], None]] = {OURS: ours.step, FLOOR: _floor_fn(params, pdtype, sdtype)}
     if sdtype == pdtype:  # torch keeps moments in the param dtype only
         found["torch fused"] = torch.optim.AdamW(params, weight_decay=0.01, fused=True).step
-        found["torch foreach"] = torch.optim.AdamW(params, weight_decay=0.01, foreach=True).step
+        if foreach:
+            found["torch foreach"] = torch.optim.AdamW(params, weight_decay=0.01, foreach=True).step
     if deepspeed:
         try:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
             found["deepspeed cpu_adam"] = DeepSpeedCPUAdam(
                 params, weight_decay=0.01, fp32_optimizer_states=sdtype == F32).step
+        except ImportError:
+            pass  # not installed: nothing to compare with
         except Exception as exc:  # report and go on: DeepSpeed is a contender, not a requirement
             print(f"  (DeepSpeedCPUAdam unavailable: {exc!r})")
     return found
 
 
+OURS, FLOOR = "ours", "floor"
+
+
+def summary(rows: list[Row]) -> list[str]:
+    """Per case: ours, the fastest other implementation, ours' speed relative to it (>1: ours is
+    faster) and to the memory floor (1.0: at the floor)."""
+    lines = ["| case | dtypes | threads | ours ns/elem | fastest other | its ns/elem | ours vs it | ours vs floor |",
+             "|---|---|---|---|---|---|---|---|"]
+    cases = list(dict.fromkeys((r.case, r.dtypes, r.threads) for r in rows))
+    for case in cases:
+        by = {r.contender: r for r in rows if (r.case, r.dtypes, r.threads) == case}
+        ours, floor = by[OURS], by[FLOOR]
+        others = [r for name, r in by.items() if name not in (OURS, FLOOR)]
+        best = min(others, key=lambda r: r.ns_per_elem) if others else None
+        best_cells = (f"{best.contender} | {best.ns_per_elem:.3f} | {best.ns_per_elem / ours.ns_per_elem:.2f}x"
+                      if best else "(none) | - | -")
+        lines.append(f"| {case[0]} | {case[1]} | {case[2]} | {ours.ns_per_elem:.3f} | {best_cells} | "
+                     f"{floor.ns_per_elem / ours.ns_per_elem:.2f} |")
+    return lines
+
+
 def cpu_section(flat: int, many: tuple[int, int], thread_counts: list[int], repeats: int,
-                deepspeed: bool) -> list[Row]:
+                deepspeed: bool, foreach: bool = True, echo: bool = True) -> list[Row]:
+    """Every dtype case on a flat tensor and on ``many`` (count, size) tensors, at each thread
+    count; rows are printed as they come unless ``echo`` is false."""
     rows: list[Row] = []
     shapes = [(f"flat {flat / 2**20:g}M", 1, flat), (f"{many[0]} x {many[1] // 1024}K", many[0], many[1])]
     start_threads = torch.get_num_threads()
@@ -86,16 +120,20 @@ def cpu_section(flat: int, many: tuple[int, int], thread_counts: list[int], repe
         for label, pd, sd in DTYPE_CASES:
             for case, count, size in shapes:
                 params = _params(count, size, pd)
-                contenders = _contenders(params, pd, sd, deepspeed)
+                contenders = _contenders(params, pd, sd, deepspeed, foreach)
                 numel = count * size
                 for threads in thread_counts:
                     torch.set_num_threads(threads)
-                    t = interleaved(contenders, repeats)
-                    for name, secs in t.items():
+                    rounds = interleaved_rounds(contenders, repeats)
+                    for name, ts in rounds.items():
+                        secs = statistics.median(ts)
+                        vs_torch = ratio_spread(rounds["torch fused"], ts) if "torch fused" in rounds else None
                         rows.append(Row(case, label, threads, name, secs / numel * 1e9,
                                         bytes_per_elem(pd, sd) * numel / secs / 1e9,
-                                        t["floor"] / secs, t["torch fused"] / secs if "torch fused" in t else None))
-                    _print_rows(rows[-len(t):])
+                                        ratio_spread(rounds["floor"], ts)[0],
+                                        vs_torch and vs_torch[0], vs_torch and vs_torch[1:]))
+                    if echo:
+                        _print_rows(rows[-len(rounds):])
                 del contenders, params
     finally:
         torch.set_num_threads(start_threads)
@@ -109,6 +147,8 @@ def _print_rows(rows: list[Row]) -> None:
     for r in rows:
         f = "-" if r.of_floor is None else f"{r.of_floor:.2f}"
         t = "-" if r.vs_torch_fused is None else f"{r.vs_torch_fused:.2f}x"
+        if r.vs_torch_fused_spread and r.contender != "torch fused":
+            t += f" ({r.vs_torch_fused_spread[0]:.2f}-{r.vs_torch_fused_spread[1]:.2f})"
         print(f"| {r.case} | {r.dtypes} | {r.threads} | {r.contender} | {r.ns_per_elem:.3f} | {r.gbps:.1f} | {f} | {t} |",
               flush=True)
 
@@ -150,26 +190,77 @@ def _plot(rows: list[Row], path: str) -> None:
     print(f"plot written to {path}")
 
 
+# The main command's short run: 4M-element and 64 x 64K tensors, torch's slow foreach left out,
+# and 21 rounds (each a few ms), aiming at a median ratio that moves by under about 5% between
+# runs on an idle machine; on a busy one noise_note says the ratios are not to be trusted.
+QUICK = dict(flat=4 * 2**20, many=(64, 65536), repeats=21, foreach=False)
+FULL = dict(flat=64 * 2**20, many=(1000, 65536), repeats=7, foreach=True)
+SPREAD_NOTE = ("speed vs torch fused: the median of the ratios taken round by round; in brackets the middle "
+               "half of those ratios (how much one round moves on this machine); above 1 is faster than torch")
+
+
+def noise_note(rows: list[Row], tolerance: float = 0.05) -> Optional[str]:
+    """A warning when round-to-round ratios moved more than ``tolerance`` either way in this run
+    (a busy machine): then one run's ratios say little, and the note says so."""
+    widths = [(r.vs_torch_fused_spread[1] - r.vs_torch_fused_spread[0]) / (2 * r.vs_torch_fused)
+              for r in rows if r.vs_torch_fused_spread and r.contender == "ours"]
+    if not widths or max(widths) <= tolerance:
+        return None
+    return (f"note: ratios moved by up to +-{max(widths):.0%} from round to round in this run (more than "
+            f"{tolerance:.0%}): the machine is busy or throttling, so rerun on an idle machine before "
+            "drawing conclusions")
+
+
+def _require_matplotlib() -> None:
+    """``--plot`` needs matplotlib: say so before minutes of benchmarking, not after."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib, which is not installed: pip install matplotlib "
+                         "(or pip install 'mps-fused-adam[bench]')") from None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small sizes, few repeats (the main job's benchmark)")
-    ap.add_argument("--deepspeed", action="store_true", help="include DeepSpeedCPUAdam (JIT-builds on first use)")
-    ap.add_argument("--threads", type=int, nargs="*", help="thread counts (default: 1 and all)")
+    ap = argparse.ArgumentParser(prog="python -m mps_fused_adam.bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes, no torch foreach (the main command's benchmark)")
+    ap.add_argument("--no-deepspeed", action="store_true",
+                    help="leave DeepSpeedCPUAdam out (otherwise included when importable; JIT-builds on first use)")
+    ap.add_argument("--deepspeed", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
+    ap.add_argument("--threads", type=int, nargs="*", help="thread counts, e.g. --threads 1 4 16 (default: 1 and all)")
     ap.add_argument("--repeats", type=int, help="interleaved rounds per case")
-    ap.add_argument("--plot", metavar="PNG", help="write a bar chart")
+    ap.add_argument("--plot", metavar="PNG", help="write a bar chart (needs matplotlib: the 'bench' extra)")
     ap.add_argument("--mps-only", action="store_true", help="run only the MPS section")
     ap.add_argument("--no-mps", action="store_true", help="skip the MPS section")
+    ap.add_argument("--overhead", action="store_true", help="only the per-tensor cost of the step path (bench_overhead)")
     args = ap.parse_args(argv)
+    if args.plot:
+        _require_matplotlib()
+    if args.overhead:
+        from .bench_overhead import overhead_section
+        overhead_section(**({"repeats": 30} if args.quick else {}))
+        return 0
     all_threads = os.cpu_count() or 1
     threads = args.threads or sorted({1, all_threads})
     rows: list[Row] = []
     if not args.mps_only:
         info = backend_info()["cpu"]
-        print(f"CPU backend: {info['backend']} ({info.get('simd', '-')}), torch {torch.__version__}, {all_threads} CPUs")
+        from . import _cpu
+        print(f"CPU backend: {info['backend']} ({info.get('simd', '-')}, threads: {_cpu.thread_pool()}), "
+              f"torch {torch.__version__}, {all_threads} CPUs, load average {os.getloadavg()[0]:.1f}")
+        print(SPREAD_NOTE)
         print(HEADER)
         print("|---|---|---|---|---|---|---|---|")
-        flat, many, repeats = (8 * 2**20, (128, 65536), 3) if args.quick else (64 * 2**20, (1000, 65536), 7)
-        rows = cpu_section(flat, many, threads, args.repeats or repeats, args.deepspeed)
+        size = dict(QUICK if args.quick else FULL)
+        if args.repeats:
+            size["repeats"] = args.repeats
+        rows = cpu_section(thread_counts=threads, deepspeed=not args.no_deepspeed, **size)
+        note = noise_note(rows)
+        if note:
+            print(note)
+        print("\nPer case, ours against the fastest other implementation and the memory floor "
+              "(speed ratios: >1 means ours is faster):")
+        print("\n".join(summary(rows)))
+        print(f"load average at the end: {os.getloadavg()[0]:.1f}")
         t = first_step_seconds()
         print(f"\nimport to end of first step, 1M-parameter model: {t['total']:.2f} s (import torch "
               f"{t['import torch']:.2f} s, first forward/backward {t['first forward/backward']:.2f} s, "

@@ -90,9 +90,6 @@ class AdamScalars(NamedTuple):
     maximize: int
 
 
-# The name the rest of the package has used for Adam's scalars.
-KernelScalars = AdamScalars
-
 
 def adam_scalars(hp: AdamHyper) -> AdamScalars:
     """Adam's host scalars: computed in double once per call, each rounded once to fp32.
@@ -110,7 +107,92 @@ def adam_scalars(hp: AdamHyper) -> AdamScalars:
     )
 
 
-kernel_scalars = adam_scalars
+# --- Lion -------------------------------------------------------------------------------------
+# Host, once per call, in double, each result rounded to fp32 once:
+#   beta1, beta2, lr;  omb1 = 1 - beta1;  omb2 = 1 - beta2;  decay = 1 - lr * weight_decay
+# Element, fp32, every operation rounded separately (no FMA); no sqrt, no division:
+#   if maximize: g = -g
+#   c = beta1 * m + omb1 * g
+#   p = p * decay
+#   p = p - lr * sign(c)
+#   m = beta2 * m + omb2 * g
+# sign(c) is 1 for c > 0, -1 for c < 0, +0 for c = +-0 (so the parameter keeps its bits, as with
+# lion_pytorch's torch.sign) and NaN for NaN: a NaN momentum or gradient makes the parameter NaN
+# instead of being silently skipped (torch.sign(NaN) is 0). Every implementation writes it as
+#   s = c > 0 ? 1 : (c < 0 ? -1 : c - c)
+# (c - c is +0 for both zeros and NaN for NaN). lr * s is exact, so the parameter update rounds once.
+
+
+@dataclass(frozen=True)
+class LionHyper:
+    """Hyperparameters of one Lion step for one list of tensors (Lion does not use the step count)."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    weight_decay: float
+    maximize: bool = False
+
+
+class LionScalars(NamedTuple):
+    """The fp32 values a Lion kernel sees; order matches the C++ and Metal parameter structs."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    one_minus_beta1: float
+    one_minus_beta2: float
+    decay: float
+    maximize: int
+
+
+def lion_scalars(hp: LionHyper) -> LionScalars:
+    return LionScalars(
+        _f32(hp.lr), _f32(hp.beta1), _f32(hp.beta2), _f32(1.0 - hp.beta1), _f32(1.0 - hp.beta2),
+        _f32(1.0 - hp.lr * hp.weight_decay), int(bool(hp.maximize)),
+    )
+
+
+# --- Adagrad (torch.optim.Adagrad's algorithm) ------------------------------------------------
+# Host, once per call, in double, each result rounded to fp32 once:
+#   clr = lr / (1 + (step - 1) * lr_decay);  eps;  weight_decay;  l2 = (weight_decay != 0)
+# Element, fp32, every operation rounded separately; one sqrt, one division:
+#   if maximize: g = -g
+#   if l2:       g = g + weight_decay * p      (skipped at 0, as torch does: 0 * inf would be NaN)
+#   s = s + g * g
+#   p = p - clr * (g / (sqrt(s) + eps))
+# The quotient g / (sqrt(s) + eps) lies in [-1, 1] (s >= g * g), so clr * quotient can neither
+# overflow nor lose precision to underflow, and the first step moves every parameter by about clr.
+# (torch's addcdiv computes (clr * g) / denominator; the two orders differ by an ulp at most.)
+# The state ``sum`` starts at ``initial_accumulator_value`` (the optimizer's job, not the kernel's).
+
+
+@dataclass(frozen=True)
+class AdagradHyper:
+    """Hyperparameters of one Adagrad step for one list of tensors (one group, one step count)."""
+
+    lr: float
+    eps: float
+    weight_decay: float
+    step: int  # the step being taken, 1 for the first update
+    lr_decay: float = 0.0
+    maximize: bool = False
+
+
+class AdagradScalars(NamedTuple):
+    """The fp32 values an Adagrad kernel sees; order matches the C++ and Metal parameter structs."""
+
+    clr: float
+    eps: float
+    weight_decay: float
+    l2: int
+    maximize: int
+
+
+def adagrad_scalars(hp: AdagradHyper) -> AdagradScalars:
+    clr = hp.lr / (1.0 + (hp.step - 1) * hp.lr_decay)
+    return AdagradScalars(_f32(clr), _f32(hp.eps), _f32(hp.weight_decay), int(hp.weight_decay != 0),
+                          int(bool(hp.maximize)))
 
 
 @dataclass(frozen=True)
@@ -136,6 +218,9 @@ class Rule:
 
 RULES: dict[str, Rule] = {
     "adam": Rule("adam", ("exp_avg", "exp_avg_sq"), AdamHyper, adam_scalars, "<9f2I"),
+    # State names are those of the optimizers Lion and Adagrad stand in for (lion_pytorch, torch).
+    "lion": Rule("lion", ("exp_avg",), LionHyper, lion_scalars, "<6fI"),
+    "adagrad": Rule("adagrad", ("sum",), AdagradHyper, adagrad_scalars, "<3f2I"),
 }
 
 

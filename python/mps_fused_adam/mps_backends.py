@@ -1,4 +1,4 @@
-"""Backends for MPS tensors: tiers 1 to 3 of DESIGN.md section 3, all running metal/fused_adam.metal.
+"""Backends for MPS tensors: tiers 1 to 3 of the README's "Backends on MPS", all running metal/fused_adam.metal.
 
 1. ``_metal`` (Objective-C++ extension): one compute encoder per group on PyTorch's command buffer.
 2. ``torch.mps.load_metallib`` on the bundled ``fused_adam.metallib``: the same kernels, one
@@ -19,12 +19,14 @@ here or in ``_metal`` is specific to a rule: they take kernel names, tensor list
 """
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from .backends import addresses, numels
 from .contract import RULES, AdamHyper, rule as rule_spec
 
 ELEMS_PER_THREAD = 4
@@ -33,24 +35,50 @@ ELEMS_PER_THREAD = 4
 MAX_THREADS_PER_DISPATCH = 1 << 30
 THREADGROUP_SIZE = 256
 
-# torch::mps::get_command_buffer() closes PyTorch's open compute encoder only since
-# pytorch/pytorch#164093 (September 2025, after the 2.9 branch cut); before it, the encoder _metal
+# torch::mps::get_command_buffer() must close PyTorch's open compute encoder, or the encoder _metal
 # opens aborts the process ("A command encoder is already encoding to this command buffer").
-TIER1_MIN_TORCH = (2, 10)
+# Evidence, the macOS arm64 wheels' libtorch_cpu.dylib (llvm-objdump -d): at::mps::MPSHooks::
+# getCommandBuffer calls MPSStream::endKernelCoalescing before MPSStream::commandBuffer in 2.9.0
+# (and 2.13.0), not in 2.8.0. tests/test_apple_artifacts.py re-checks this against the wheels.
+TIER1_MIN_TORCH = (2, 9)
 
 METALLIB_NAME = "fused_adam.metallib"
 METAL_SOURCE_NAME = "fused_adam.metal"
 
-# Storage dtype names as the kernels' host names spell them, and the codes _metal takes
-# (the same codes as backends._DTYPE_CODES / the _cpu extension).
+# Storage dtype names as the kernels' host names spell them.
 _DTYPE_NAMES = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat"}
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 # (rule, param dtype, state dtype) -> kernel host name; states are fp32 or the param dtype.
 KERNELS = {
     (r, p, s): f"fused_{r}_{_DTYPE_NAMES[p]}_{_DTYPE_NAMES[s]}"
     for r in RULES for p in _DTYPE_NAMES for s in (torch.float32, p)
 }
+
+
+# torch compiles tier 3's source with fast math when this is set to a non-zero value (torch 2.13:
+# setFastMathEnabled: on macOS 14; math mode fast and fast FP32 functions on macOS 15 and newer).
+FAST_MATH_ENV = "PYTORCH_MPS_FAST_MATH"
+
+
+def fast_math_note(backend_name: str, environ: Mapping[str, str] = os.environ) -> str | None:
+    """What ``PYTORCH_MPS_FAST_MATH`` changes for the MPS backend ``backend_name`` (for ``backend_info``).
+
+    Tiers 1 and 2 run the prebuilt metallib (compiled with -fno-fast-math -ffp-contract=off), so
+    the variable cannot reach them. Tier 3 is compiled by torch with its options: sqrt and division
+    stay correctly rounded there (``metal::precise::`` forms) and the source switches contraction
+    off, but fast math may still change NaN/Inf handling and fp32 subnormals. None for backends that
+    are not ours (foreach: torch's own ops)."""
+    if backend_name in ("metal", "load_metallib"):
+        return "not applicable: prebuilt metallib, compiled with -fno-fast-math -ffp-contract=off"
+    if backend_name != "compile_shader":
+        return None
+    value = environ.get(FAST_MATH_ENV, "").strip()
+    if value in ("", "0"):
+        return f"off ({FAST_MATH_ENV} unset): the source's IEEE math as compiled by torch"
+    return (f"on ({FAST_MATH_ENV}={value}): sqrt and division stay correctly rounded "
+            "(metal::precise::), but NaN/Inf handling and fp32 subnormals may differ from the "
+            "contract; on macOS 14 (Metal 3.1) whether contraction stays off is not established "
+            "(untested on Apple hardware). Unset it for the contract's results.")
 
 
 def kernel_name(rule: str, param_dtype: torch.dtype, state_dtype: torch.dtype) -> str:
@@ -86,9 +114,23 @@ def dispatch_plan(numel: int, max_threads: int = MAX_THREADS_PER_DISPATCH) -> li
 
 def mps_buffer(t: torch.Tensor) -> tuple[int, int, int]:
     """``(MTLBuffer handle, byte offset, numel)``: for an MPS tensor the storage's data pointer is
-    its ``id<MTLBuffer>`` (DESIGN.md section 4); on a CPU tensor the same expression gives the host
-    address, which is what the emulated ``_metal`` of the tests uses."""
+    its ``id<MTLBuffer>`` (PyTorch's MPS allocator stores it there); on a CPU tensor the same
+    expression gives the host address, which is what the emulated ``_metal`` of the tests uses."""
     return (t.untyped_storage().data_ptr(), t.storage_offset() * t.element_size(), t.numel())
+
+
+def mps_buffers(tensors: Sequence[torch.Tensor], numels: Sequence[int]) -> list[tuple[int, int, int]]:
+    """:func:`mps_buffer` of each tensor of one dtype, with one attribute read per tensor where it
+    can: c10 computes ``data_ptr()`` as the storage's data pointer plus ``storage_offset() *
+    itemsize`` on every device (``TensorImpl::data_impl``, torch/include/c10/core/TensorImpl.h), so
+    the handle is the address minus the byte offset. The addresses come from the optimizer's step
+    plan when it has read them this step (``backends.addresses``); an empty tensor, whose
+    ``data_ptr()`` is null, takes the long way."""
+    if not tensors:
+        return []
+    size = tensors[0].element_size()
+    return [(a - o * size, o * size, n) if n else mps_buffer(t)
+            for t, a, o, n in zip(tensors, addresses(tensors), map(torch.Tensor.storage_offset, tensors), numels)]
 
 
 def torch_version() -> tuple[int, int]:
@@ -126,8 +168,12 @@ class MetalExtBackend:
 
     def update(self, rule: str, params, grads, states, hp) -> None:
         b = self._buffer_of
-        self._ext.step(kernel_name(rule, params[0].dtype, states[0][0].dtype),
-                       [[b(t) for t in lst] for lst in (params, grads, *states)], pack_params(hp, rule))
+        if b is mps_buffer:  # the same triples, fewer reads per tensor
+            n = numels(params)  # grads and states have their param's shape (validated)
+            buffers = [mps_buffers(lst, n) for lst in (params, grads, *states)]
+        else:
+            buffers = [[b(t) for t in lst] for lst in (params, grads, *states)]
+        self._ext.step(kernel_name(rule, params[0].dtype, states[0][0].dtype), buffers, pack_params(hp, rule))
 
 
 class ShaderLibraryBackend:
@@ -180,7 +226,7 @@ def mps_tiers(*, load_ext: Callable[[], Any] | None = None, mps_api: Any = None,
         if torch_version() < TIER1_MIN_TORCH:
             raise RuntimeError(
                 f"torch {torch.__version__} is older than {'.'.join(map(str, TIER1_MIN_TORCH))}: its "
-                "torch::mps::get_command_buffer() leaves PyTorch's own encoder open (pytorch/pytorch#164093)")
+                "torch::mps::get_command_buffer() leaves PyTorch's own encoder open (no endKernelCoalescing)")
         ext = (load_ext or import_ext)()
         return MetalExtBackend(ext, pkg / METALLIB_NAME, buffer_of)
 

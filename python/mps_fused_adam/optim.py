@@ -1,8 +1,11 @@
-"""The optimizer classes: ``FusedAdam`` (DeepSpeed's signature), ``Adam``/``AdamW`` (torch's) and
-``CPUAdam`` (DeepSpeed's ``DeepSpeedCPUAdam``), all over one step function.
+"""The optimizer classes: ``FusedAdam`` (DeepSpeed's signature), ``Adam``/``AdamW`` (torch's),
+``CPUAdam`` (DeepSpeed's ``DeepSpeedCPUAdam``), ``Lion`` (lion_pytorch's), ``FusedLion``
+(DeepSpeed's) and ``Adagrad`` (torch's), all over one step function.
 
 A step gathers every group's tensors, validates all of them, and only then creates missing state
-and hands one call per (device, dtypes, step count) to the backend of that device.
+and hands one call per (device, dtypes, step count) to the backend of that device. A class names
+its update rule, its state tensors, how a group's hyperparameters become the rule's contract
+object, and its signature; nothing else.
 """
 from __future__ import annotations
 
@@ -11,9 +14,9 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from . import validate
+from . import step_plan, validate
 from .backends import SUPPORTED_DTYPES, get_backend, update_staged
-from .contract import AdamHyper
+from .contract import RULES, AdagradHyper, AdamHyper, LionHyper
 
 _Params = Iterable[Any]
 
@@ -30,20 +33,48 @@ def _optimizer_method(name: str) -> Callable[..., Any]:
 _CPU = torch.device("cpu")
 
 
-class _AdamBase(torch.optim.Optimizer):
-    """Shared machinery. Group keys: lr, betas, eps, weight_decay, adam_w_mode, bias_correction, maximize."""
+class _FusedOptimizer(torch.optim.Optimizer):
+    """Shared machinery for every rule. A subclass sets ``_rule`` and implements ``_check_group``
+    and ``_hyper`` (and ``_new_state`` when a state does not start at 0); the state names are the
+    rule's (``contract.RULES``)."""
 
     # The update rule (contract.RULES) every step of this class runs.
     _rule = "adam"
+    # What a state dict this class loads looks like (load_state_dict rejects any other).
+    _state_dict_kind = validate.ADAM_STATE_DICT
     # A subclass restricted to one device type (CPUAdam) sets this.
     _device_type: Optional[str] = None
 
+    @property
+    def _state_names(self) -> tuple[str, ...]:
+        return RULES[self._rule].states
+
     def __init__(self, params: _Params, defaults: dict[str, Any]) -> None:
-        validate.check_hyperparameters(defaults["lr"], defaults["betas"], defaults["eps"], defaults["weight_decay"])
+        self._check_group(defaults, "")
         super().__init__(params, defaults)
 
+    def _check_group(self, group: dict[str, Any], where: str) -> None:
+        """Raise ValueError for hyperparameters the rule cannot take (torch's messages)."""
+        raise NotImplementedError
+
+    def _hyper(self, group: dict[str, Any], step: int) -> Any:
+        """The rule's contract object (contract.py) for ``group`` at step ``step``."""
+        raise NotImplementedError
+
+    def _new_state(self, p: torch.Tensor, name: str, dtype: torch.dtype, group: dict[str, Any]) -> torch.Tensor:
+        return torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group`` (also used by the constructor), then a dtype check of the new
+        group's parameters: a rejected group is removed again, so the optimizer is unchanged."""
         _optimizer_method("add_param_group")(self, param_group)
+        gi = len(self.param_groups) - 1
+        group = self.param_groups[gi]
+        names = group.get("param_names")
+        for pi, p in enumerate(group["params"]):
+            if p.dtype not in SUPPORTED_DTYPES:
+                self.param_groups.pop()
+                validate.check_param_dtype(p, names[pi] if names else f"param_groups[{gi}]['params'][{pi}]")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         _optimizer_method("zero_grad")(self, set_to_none)
@@ -65,12 +96,15 @@ class _AdamBase(torch.optim.Optimizer):
                 group.setdefault(key, value)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict of ours or of ``torch.optim.Adam``/``AdamW``.
+        """Load a state dict of ours or of the optimizer we stand in for (``torch.optim.Adam``/
+        ``AdamW``/``Adagrad``, ``lion_pytorch.Lion``).
 
-        torch casts loaded moments to the parameter's dtype; we re-take them from the saved
+        torch casts loaded states to the parameter's dtype; we re-take them from the saved
         tensors in this optimizer's state dtype (fp32 states of bf16 params stay exact), and keep
-        ``step`` as a Python int.
+        ``step`` as a Python int. A state dict of another optimizer (SGD's, say) or with moments
+        of the wrong shape is rejected before anything is loaded.
         """
+        validate.check_state_dict(state_dict, self.param_groups, self._state_dict_kind)
         _optimizer_method("load_state_dict")(self, state_dict)
         saved_state = state_dict["state"]
         for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
@@ -79,7 +113,7 @@ class _AdamBase(torch.optim.Optimizer):
                 if saved is None:
                     continue
                 st = self.state[p]
-                for name in ("exp_avg", "exp_avg_sq"):
+                for name in self._state_names:
                     if isinstance(saved.get(name), torch.Tensor):
                         st[name] = saved[name].to(device=p.device, dtype=self._state_dtype(p),
                                                   memory_format=torch.preserve_format, copy=True)
@@ -106,51 +140,106 @@ class _AdamBase(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # One pass validates every tensor and sorts it into kernel calls; nothing is written
-        # (no state created, no step counted) until the whole step is known good.
-        plans = [self._plan_group(gi, group) for gi, group in enumerate(self.param_groups)]
-        for group, fresh, buckets in plans:
-            for p, pi, slots in fresh:
-                st = slots[pi] = self.state[p]
-                sd = self._state_dtype(p)
-                st["step"] = 0
-                st["exp_avg"] = torch.zeros_like(p, dtype=sd, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, dtype=sd, memory_format=torch.preserve_format)
-                key = (p.device, p.dtype, sd, 0)
-                bucket = buckets.get(key)
-                if bucket is None:
-                    bucket = buckets[key] = ([], [], [], [], [])
-                bucket[0].append(p)
-                bucket[1].append(p.grad)
-                bucket[2].append(st["exp_avg"])
-                bucket[3].append(st["exp_avg_sq"])
-                bucket[4].append(st)
-            beta1, beta2 = group["betas"]
-            sr = group.get("bf16_stochastic_round", False)
-            for (device, pdtype, _, last_step), (ps, gs, ms, vs, states) in buckets.items():
-                step = int(last_step) + 1
-                for st in states:
-                    st["step"] = step
-                hp = AdamHyper(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                               weight_decay=float(group["weight_decay"]), step=step,
-                               adam_w_mode=bool(group["adam_w_mode"]), bias_correction=bool(group["bias_correction"]),
-                               maximize=bool(group["maximize"]))
-                if sr and pdtype is torch.bfloat16:
-                    _stochastic_round_step(device, ps, gs, ms, vs, states, hp)
-                else:
-                    update_staged(get_backend(device), self._rule, ps, gs, [ms, vs], hp)
+        # Every group is validated and sorted into kernel calls before anything is written (no
+        # state created, no step counted) until the whole step is known good. A group whose cached
+        # plan still holds (step_plan.py) is checked in C++; any other takes the full path.
+        plans = self._step_plans()
+        work = []
+        for gi, group in enumerate(self.param_groups):
+            self._check_group(group, f"param_groups[{gi}]")
+            if group.get("bf16_stochastic_round"):
+                # Stochastic rounding needs a fresh per-tensor key each step, which the cached
+                # plans do not carry: such groups always take the full path and are not planned.
+                plans.pop(gi, None)
+                work.append((gi, group, None, self._plan_group(gi, group)))
+                continue
+            plan = plans.get(gi)
+            fast = step_plan.check(plan, group["params"]) if isinstance(plan, step_plan.Plan) else None
+            work.append((gi, group, plan, fast) if fast is not None else (gi, group, plan, self._plan_group(gi, group)))
+        replan = []
+        for gi, group, plan, planned in work:
+            if isinstance(planned, list):
+                self._step_planned(group, plan, planned)
+            else:
+                self._step_full(group, *planned[1:])
+                if not group.get("bf16_stochastic_round"):
+                    replan.append((gi, group, plan))
+        if replan:
+            self._replan(plans, replan)
         return loss
+
+    def _step_planned(self, group: dict[str, Any], plan: step_plan.Plan, planned: list) -> None:
+        plan.uses += 1
+        for bucket, grads in planned:
+            step = bucket.step + 1
+            plan.native.set_steps(bucket.begin, bucket.end, step)
+            bucket.step = step
+            # The plan holds only contiguous tensors and checked that each grad is: no staging.
+            get_backend(bucket.device).update(self._rule, bucket.params, grads, bucket.states,
+                                              self._hyper(group, step))
+
+    def _step_full(self, group: dict[str, Any], fresh: list, buckets: dict) -> None:
+        names = self._state_names
+        nstates = len(names)
+        for p, pi, slots in fresh:
+            st = slots[pi] = self.state[p]
+            sd = self._state_dtype(p)
+            st["step"] = 0
+            for name in names:
+                st[name] = self._new_state(p, name, sd, group)
+            key = (p.device, p.dtype, sd, 0)
+            bucket = buckets.get(key)
+            if bucket is None:
+                bucket = buckets[key] = tuple([] for _ in range(nstates + 3))
+            bucket[0].append(p)
+            bucket[1].append(p.grad)
+            for k, name in enumerate(names):
+                bucket[2 + k].append(st[name])
+            bucket[-1].append(st)
+        sr = bool(group.get("bf16_stochastic_round"))
+        for (device, pdtype, _, last_step), bucket in buckets.items():
+            step = int(last_step) + 1
+            for st in bucket[-1]:
+                st["step"] = step
+            if sr and pdtype is torch.bfloat16:
+                # Only the Adam rule has this option (_AdamBase's group key).
+                _stochastic_round_step(device, *bucket, self._hyper(group, step))
+            else:
+                update_staged(get_backend(device), self._rule, bucket[0], bucket[1], list(bucket[2:-1]),
+                              self._hyper(group, step))
+
+    def _step_plans(self) -> dict[int, Any]:
+        """The groups' cached plans, or none when the optimizer's state dict has changed since they
+        were made (or the state dtype policy has: CPUAdam's ``fp32_optimizer_states``)."""
+        plans = self.__dict__.setdefault("_plans", {})
+        snapshot = self.__dict__.get("_plans_snapshot")
+        if plans and (snapshot is None or self.__dict__.get("_plans_state_dtype") != self._fixed_state_dtype
+                      or not snapshot.unchanged(self.state)):
+            plans.clear()
+        for gi in [gi for gi in plans if gi >= len(self.param_groups)]:
+            del plans[gi]  # a removed group's plan would keep its tensors alive
+        return plans
+
+    def _replan(self, plans: dict[int, Any], groups: list) -> None:
+        """Plan the groups that just took the full path, for the next step."""
+        native = step_plan.native()
+        if native is None:
+            return
+        for gi, group, previous in groups:
+            plans[gi] = step_plan.replan(native, previous, group["params"], self.state, RULES[self._rule].states)
+        self._plans_snapshot = native.DictSnapshot(self.state)
+        self._plans_state_dtype = self._fixed_state_dtype
 
     def _plan_group(self, gi: int, group: dict[str, Any]) -> tuple[dict[str, Any], list, dict]:
         """Validate one group; return it, its params that need new state, and its kernel calls
         keyed by (device, param dtype, state dtype, step count so far)."""
-        validate.check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"],
-                                       where=f"param_groups[{gi}]")
         params = group["params"]
         slots = self._slots(gi, params)
         supported, strided, only = SUPPORTED_DTYPES, torch.strided, self._device_type
+        names = self._state_names
+        nlists = len(names) + 3
         fresh: list = []
-        buckets: dict[tuple, tuple[list, list, list, list, list]] = {}
+        buckets: dict[tuple, tuple] = {}
         fixed_sd = self._fixed_state_dtype
         cpu = _CPU
         for pi, p in enumerate(params):
@@ -161,45 +250,60 @@ class _AdamBase(torch.optim.Optimizer):
             dt = p.dtype
             shape = p.shape
             on_cpu = p.is_cpu
-            # The common case is this one expression per tensor; any failure (an AttributeError
-            # included: a state entry that is not a tensor) re-runs the detailed checks, which
-            # raise naming the parameter.
+            # The common case is this one expression per tensor (and per state); any failure (an
+            # AttributeError included: a state entry that is not a tensor) re-runs the detailed
+            # checks, which raise naming the parameter.
             try:
                 ok = dt in supported and g.dtype is dt and g.layout is strided and g.shape == shape
                 if st is None:
                     if p.numel() == 0:
                         continue
-                    m = v = None
+                    states = None
                     ok = ok and (g.is_cpu if on_cpu else g.device == p.device)
                 else:
-                    m, v = st.get("exp_avg"), st.get("exp_avg_sq")
+                    states = [st.get(name) for name in names]
                     sd = fixed_sd or dt
-                    ok = (ok and m.dtype is sd and v.dtype is sd and m.shape == shape and v.shape == shape
-                          and ((g.is_cpu and m.is_cpu and v.is_cpu) if on_cpu else
-                               (g.device == p.device and m.device == p.device and v.device == p.device)))
+                    ok = ok and (g.is_cpu if on_cpu else g.device == p.device)
+                    for t in states:
+                        ok = (ok and t.dtype is sd and t.shape == shape
+                              and (t.is_cpu if on_cpu else t.device == p.device))
                 if ok and only is not None:
                     ok = p.device.type == only
             except AttributeError:
                 ok = False
             if not ok:
-                names = group.get("param_names")
-                name = names[pi] if names else f"param_groups[{gi}]['params'][{pi}]"
+                pnames = group.get("param_names")
+                name = pnames[pi] if pnames else f"param_groups[{gi}]['params'][{pi}]"
                 validate.check_param(p, g, name, only)
                 if st is not None:
-                    validate.check_state(p, st, name, self._state_dtype(p))
+                    validate.check_state(p, st, name, self._state_dtype(p), names)
             if st is None:
                 fresh.append((p, pi, slots))
                 continue
-            key = (cpu if on_cpu else p.device, dt, m.dtype, st.get("step", 0))
+            key = (cpu if on_cpu else p.device, dt, states[0].dtype, st.get("step", 0))
             bucket = buckets.get(key)
             if bucket is None:
-                bucket = buckets[key] = ([], [], [], [], [])
+                bucket = buckets[key] = tuple([] for _ in range(nlists))
             bucket[0].append(p)
             bucket[1].append(g)
-            bucket[2].append(m)
-            bucket[3].append(v)
-            bucket[4].append(st)
+            for k, t in enumerate(states):
+                bucket[2 + k].append(t)
+            bucket[-1].append(st)
         return group, fresh, buckets
+
+
+class _AdamBase(_FusedOptimizer):
+    """The Adam rule. Group keys: lr, betas, eps, weight_decay, adam_w_mode, bias_correction, maximize."""
+
+    def _check_group(self, group: dict[str, Any], where: str) -> None:
+        validate.check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"], where=where)
+
+    def _hyper(self, group: dict[str, Any], step: int) -> AdamHyper:
+        beta1, beta2 = group["betas"]
+        return AdamHyper(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                         weight_decay=float(group["weight_decay"]), step=step,
+                         adam_w_mode=bool(group["adam_w_mode"]), bias_correction=bool(group["bias_correction"]),
+                         maximize=bool(group["maximize"]))
 
 
 def _stochastic_round_step(device: torch.device, ps: list, gs: list, ms: list, vs: list, states: list,
@@ -320,3 +424,93 @@ class CPUAdam(_AdamBase):
     @property
     def _fixed_state_dtype(self) -> Optional[torch.dtype]:  # type: ignore[override]
         return torch.float32 if self.fp32_optimizer_states else None
+
+
+class Lion(_FusedOptimizer):
+    """Drop-in for ``lion_pytorch.Lion`` (same arguments and defaults; state ``exp_avg`` in the
+    param's dtype, so state dicts move between the two). Contract: ``contract.py``, Lion section.
+
+    ``decoupled_weight_decay=True`` divides the weight decay by the initial learning rate, as
+    lion_pytorch does; ``use_triton`` is an implementation switch, accepted and ignored.
+    """
+
+    _rule = "lion"
+    _state_dict_kind = validate.StateDictKind("Lion", ("betas",), ("eps", "lr_decay"), ("exp_avg",))
+
+    def __init__(self, params: _Params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
+                 weight_decay: float = 0.0, use_triton: bool = False, decoupled_weight_decay: bool = False) -> None:
+        if decoupled_weight_decay and not float(lr) > 0:
+            raise ValueError(f"decoupled_weight_decay=True divides the weight decay by the initial learning rate, "
+                             f"which must be > 0; got lr={float(lr)}")
+        self._init_lr = float(lr)
+        self.decoupled_wd = bool(decoupled_weight_decay)
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    def _check_group(self, group: dict[str, Any], where: str) -> None:
+        validate.check_lion_hyperparameters(group["lr"], group["betas"], group["weight_decay"], where=where)
+
+    def _hyper(self, group: dict[str, Any], step: int) -> LionHyper:
+        beta1, beta2 = group["betas"]
+        wd = float(group["weight_decay"])
+        if self.decoupled_wd:
+            wd /= self._init_lr
+        return LionHyper(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), weight_decay=wd)
+
+
+class FusedLion(Lion):
+    """DeepSpeed's ``FusedLion`` signature (its defaults, ``set_grad_none``), on any device."""
+
+    def __init__(self, params: _Params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 weight_decay: float = 0.0, set_grad_none: bool = True) -> None:
+        self.set_grad_none = set_grad_none
+        super().__init__(params, lr=lr, betas=betas, weight_decay=weight_decay)
+
+    def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
+        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
+
+    def step(self, closure: Optional[Callable[[], Any]] = None, grads: Any = None, output_params: Any = None,
+             scale: Any = None, grad_norms: Any = None, grad_scaler: Any = None) -> Any:
+        """One step. DeepSpeed's legacy arguments are rejected, as DeepSpeed's FusedLion does."""
+        if any(a is not None for a in (grads, output_params, scale, grad_norms)):
+            raise RuntimeError("FusedLion has been updated; call step() with no arguments except an optional closure")
+        return super().step(closure)
+
+
+class Adagrad(_FusedOptimizer):
+    """Drop-in for ``torch.optim.Adagrad``: same arguments and defaults, state ``sum`` in the
+    param's dtype, created when the optimizer is (as torch does), so state dicts move between the
+    two. ``foreach`` and ``fused`` are accepted and ignored (this is always fused);
+    ``differentiable=True`` is rejected; sparse gradients are rejected. ``maximize`` and
+    ``initial_accumulator_value`` are supported (a group's own value applies to its params).
+    Contract: ``contract.py``, Adagrad section.
+    """
+
+    _rule = "adagrad"
+    _state_dict_kind = validate.StateDictKind("Adagrad", ("lr_decay", "eps"), ("betas",), ("sum",))
+
+    def __init__(self, params: _Params, lr: float | torch.Tensor = 1e-2, lr_decay: float = 0,
+                 weight_decay: float = 0, initial_accumulator_value: float = 0, eps: float = 1e-10,
+                 foreach: Optional[bool] = None, *, maximize: bool = False, differentiable: bool = False,
+                 fused: Optional[bool] = None) -> None:
+        if differentiable:
+            _reject("differentiable", differentiable, "Adagrad")
+        super().__init__(params, dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
+                                      initial_accumulator_value=initial_accumulator_value, eps=eps,
+                                      maximize=maximize))
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state[p]
+                st["step"] = 0
+                st["sum"] = self._new_state(p, "sum", self._state_dtype(p), group)
+
+    def _check_group(self, group: dict[str, Any], where: str) -> None:
+        validate.check_adagrad_hyperparameters(group["lr"], group["lr_decay"], group["weight_decay"],
+                                               group["initial_accumulator_value"], group["eps"], where=where)
+
+    def _new_state(self, p: torch.Tensor, name: str, dtype: torch.dtype, group: dict[str, Any]) -> torch.Tensor:
+        return torch.full_like(p, float(group["initial_accumulator_value"]), dtype=dtype,
+                               memory_format=torch.preserve_format)
+
+    def _hyper(self, group: dict[str, Any], step: int) -> AdagradHyper:
+        return AdagradHyper(lr=float(group["lr"]), eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                            step=step, lr_decay=float(group["lr_decay"]), maximize=bool(group["maximize"]))

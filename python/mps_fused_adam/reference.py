@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .contract import AdamHyper, adam_scalars
+from .contract import AdagradHyper, AdamHyper, LionHyper, adagrad_scalars, adam_scalars, lion_scalars
 
 
 def _full(like: torch.Tensor, x: float) -> torch.Tensor:
@@ -65,9 +65,52 @@ def reference_adam_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
         exp_avg_sq.copy_(v)
 
 
+def lion_sign(c: torch.Tensor) -> torch.Tensor:
+    """The contract's sign: 1, -1, +0 for both zeros, NaN for NaN (torch.sign gives 0 for NaN)."""
+    one = torch.ones_like(c)
+    return torch.where(c > 0, one, torch.where(c < 0, -one, c - c))
+
+
+def reference_lion_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, hp: LionHyper) -> None:
+    """Apply one Lion step (contract.py) in place, math in fp32, results rounded to each tensor's dtype."""
+    s = lion_scalars(hp)
+    p = param.detach().float()
+    g = grad.detach().float()
+    m = exp_avg.float()
+    if s.maximize:
+        g = -g
+    c = _full(p, s.beta1) * m + _full(p, s.one_minus_beta1) * g
+    p = p * _full(p, s.decay)
+    p = p - _full(p, s.lr) * lion_sign(c)
+    m = _full(p, s.beta2) * m + _full(p, s.one_minus_beta2) * g
+    with torch.no_grad():
+        param.copy_(p)
+        exp_avg.copy_(m)
+
+
+def reference_adagrad_(param: torch.Tensor, grad: torch.Tensor, state_sum: torch.Tensor, hp: AdagradHyper) -> None:
+    """Apply one Adagrad step (contract.py) in place, math in fp32, results rounded to each tensor's dtype."""
+    s = adagrad_scalars(hp)
+    p = param.detach().float()
+    g = grad.detach().float()
+    acc = state_sum.float()
+    if s.maximize:
+        g = -g
+    if s.l2:
+        g = g + _full(p, s.weight_decay) * p
+    acc = acc + g * g
+    denom = _sqrt(acc) + _full(p, s.eps)
+    p = p - _full(p, s.clr) * (g / denom)
+    with torch.no_grad():
+        param.copy_(p)
+        state_sum.copy_(acc)
+
+
 # One reference per rule of contract.RULES: (param, grad, states, hyper) -> None, in place.
 REFERENCES: dict[str, Callable[[torch.Tensor, torch.Tensor, Sequence[torch.Tensor], Any], None]] = {
     "adam": lambda p, g, states, hp: reference_adam_(p, g, *states, hp),
+    "lion": lambda p, g, states, hp: reference_lion_(p, g, *states, hp),
+    "adagrad": lambda p, g, states, hp: reference_adagrad_(p, g, *states, hp),
 }
 
 

@@ -1,7 +1,8 @@
 """Self-check of every available backend against the reference (used by ``python -m mps_fused_adam``).
 
-A backend passes when, after three steps in each mode, its results are within the contract's
-bound of the reference: ``8 * eps(dtype) * max|ref|`` per tensor (DESIGN.md section 2). The
+A backend passes when, after three steps of each update rule (Adam, Lion, Adagrad) in each mode,
+its results are within the contract's
+bound of the reference: ``8 * eps(dtype) * max|ref|`` per tensor (the README's "Numeric contract"). The
 measured worst difference is reported; on CPU it is normally exactly zero.
 :func:`torch_agreement` measures how far the contract is from ``torch.optim.AdamW`` (in ulps).
 """
@@ -13,8 +14,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .backends import ForeachBackend, get_backend
-from .contract import AdamHyper
-from .reference import reference_adam_
+from .contract import RULES, AdagradHyper, AdamHyper, LionHyper
+from .reference import reference_adam_, reference_step_
 
 PAIRS = [(torch.float32, torch.float32), (torch.float16, torch.float32), (torch.float16, torch.float16),
          (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)]
@@ -33,25 +34,37 @@ class CheckResult:
         return self.worst_in_eps <= 8.0
 
 
+def _hypers(rule: str, step: int, flag: bool) -> Any:
+    """Three steps of each rule in two modes (``flag``), maximize on the third step."""
+    if rule == "adam":
+        return AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.1, step, adam_w_mode=flag, maximize=step == 3)
+    if rule == "lion":
+        return LionHyper(1e-2, 0.9, 0.99, 0.1 if flag else 0.0, maximize=step == 3)
+    return AdagradHyper(1e-2, 1e-10, 0.1 if flag else 0.0, step, lr_decay=0.01, maximize=step == 3)
+
+
 def check_backend(backend: Any, device: str, label: str, n: int = 4099) -> Iterator[CheckResult]:
     gen = torch.Generator().manual_seed(0)
-    for pd, sd in PAIRS:
-        worst, exact = 0.0, True
-        for adam_w_mode in (True, False):
-            base = [torch.randn(n, generator=gen).to(pd), (torch.randn(n, generator=gen) * 0.1).to(pd),
-                    torch.zeros(n, dtype=sd), torch.zeros(n, dtype=sd)]
-            ref = [t.clone() for t in base]
-            ours = [t.to(device) for t in base]
-            for step in (1, 2, 3):
-                hp = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.1, step, adam_w_mode=adam_w_mode, maximize=step == 3)
-                backend.update("adam", [ours[0]], [ours[1]], [[ours[2]], [ours[3]]], hp)
-                reference_adam_(*ref, hp)
-            for a, b in zip(ours, ref):
-                a = a.cpu()
-                exact &= torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-                scale = torch.finfo(b.dtype).eps * max(b.float().abs().max().item(), torch.finfo(torch.float32).tiny)
-                worst = max(worst, ((a.float() - b.float()).abs().max().item()) / scale)
-        yield CheckResult(label, device, f"{str(pd)[6:]}/{str(sd)[6:]}", worst, exact)
+    for rule in RULES:
+        nstates = len(RULES[rule].states)
+        for pd, sd in PAIRS:
+            worst, exact = 0.0, True
+            for flag in (True, False):
+                base = [torch.randn(n, generator=gen).to(pd), (torch.randn(n, generator=gen) * 0.1).to(pd)]
+                base += [torch.zeros(n, dtype=sd) for _ in range(nstates)]
+                ref = [t.clone() for t in base]
+                ours = [t.to(device) for t in base]
+                for step in (1, 2, 3):
+                    hp = _hypers(rule, step, flag)
+                    backend.update(rule, [ours[0]], [ours[1]], [[t] for t in ours[2:]], hp)
+                    reference_step_(rule, ref[0], ref[1], ref[2:], hp)
+                for a, b in zip(ours, ref):
+                    a = a.cpu()
+                    exact &= torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                    scale = torch.finfo(b.dtype).eps * max(b.float().abs().max().item(), torch.finfo(torch.float32).tiny)
+                    worst = max(worst, ((a.float() - b.float()).abs().max().item()) / scale)
+            label_dtypes = f"{str(pd)[6:]}/{str(sd)[6:]}" if rule == "adam" else f"{rule} {str(pd)[6:]}/{str(sd)[6:]}"
+            yield CheckResult(label, device, label_dtypes, worst, exact)
 
 
 def all_checks() -> Iterator[CheckResult]:

@@ -1,4 +1,4 @@
-"""What both benchmark sections share: interleaved timing and Adam's bytes per element."""
+"""What the benchmark sections share: interleaved timing and bytes per element."""
 from __future__ import annotations
 
 import statistics
@@ -8,16 +8,17 @@ from typing import Callable
 import torch
 
 
-def bytes_per_elem(pdtype: torch.dtype, sdtype: torch.dtype) -> int:
-    """Bytes one Adam step moves per element: param read+write and grad read in the param dtype,
-    exp_avg and exp_avg_sq read+write in the state dtype."""
-    return 3 * pdtype.itemsize + 4 * sdtype.itemsize
+def bytes_per_elem(pdtype: torch.dtype, sdtype: torch.dtype, states: int = 2) -> int:
+    """Bytes one step moves per element: param read+write and grad read in the param dtype, each
+    state read+write in the state dtype (Adam: 2 states; Lion, Adagrad: 1)."""
+    return 3 * pdtype.itemsize + 2 * states * sdtype.itemsize
 
 
-def interleaved(contenders: dict[str, Callable[[], None]], repeats: int,
-                sync: Callable[[], None] = lambda: None) -> dict[str, float]:
-    """Median seconds per call of each contender, run one call each in turn so that drifts of
-    clock, temperature and neighbours hit all of them alike; ``sync`` waits for a device.
+def interleaved_rounds(contenders: dict[str, Callable[[], None]], repeats: int,
+                       sync: Callable[[], None] = lambda: None) -> dict[str, list[float]]:
+    """Seconds of each call of each contender, round by round, run one call each in turn so that
+    drifts of clock, temperature and neighbours hit all of them alike; ``sync`` waits for a device.
+    Entry ``r`` of every list comes from the same round, so ratios can be taken round by round.
 
     The order rotates every round: a contender that follows one which frees gigabytes of
     temporaries (torch's foreach) pays for the kernel's page work, and no contender should always
@@ -33,4 +34,20 @@ def interleaved(contenders: dict[str, Callable[[], None]], repeats: int,
             contenders[name]()
             sync()
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
+
+
+def interleaved(contenders: dict[str, Callable[[], None]], repeats: int,
+                sync: Callable[[], None] = lambda: None) -> dict[str, float]:
+    """Median seconds per call of each contender over ``repeats`` interleaved rounds."""
+    return {name: statistics.median(ts) for name, ts in interleaved_rounds(contenders, repeats, sync).items()}
+
+
+def ratio_spread(numerator: list[float], denominator: list[float]) -> tuple[float, float, float]:
+    """Round-by-round ratios ``numerator[r] / denominator[r]``: (median, lower quartile, upper
+    quartile). The quartiles say how much one round's ratio moves on this machine."""
+    ratios = sorted(a / b for a, b in zip(numerator, denominator))
+    if len(ratios) < 4:
+        return statistics.median(ratios), ratios[0], ratios[-1]
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    return statistics.median(ratios), q1, q3

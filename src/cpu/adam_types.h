@@ -20,13 +20,31 @@ struct AdamScalars {
 };
 static_assert(sizeof(AdamScalars) == 44, "AdamScalars must match contract.RULES['adam'].struct_format");
 
+// Lion's fp32 host scalars, in the order of contract.LionScalars (struct format "<6fI").
+struct LionScalars {
+  float lr, beta1, beta2, one_minus_beta1, one_minus_beta2, decay;
+  uint32_t maximize;
+};
+static_assert(sizeof(LionScalars) == 28, "LionScalars must match contract.RULES['lion'].struct_format");
+
+// Adagrad's fp32 host scalars, in the order of contract.AdagradScalars (struct format "<3f2I").
+struct AdagradScalars {
+  float clr, eps, weight_decay;
+  uint32_t l2, maximize;
+};
+static_assert(sizeof(AdagradScalars) == 20, "AdagradScalars must match contract.RULES['adagrad'].struct_format");
+
 // THE list of update rules: X(enum id, Python name, functor in rules.h, scalar struct, states).
 // Adding a rule: one line here, its functor in rules.h, its scalar struct above; every ISA x
 // dtype pair is then instantiated from this list (kernel.h) and bound by name (bindings.cpp).
-// "floor" is the benchmark's memory floor: Adam's access pattern with trivial math, Adam's scalars.
-#define MFA_RULES(X)                                   \
-  X(Adam, "adam", AdamRule, AdamScalars, 2)            \
-  X(Floor, "floor", FloorRule, AdamScalars, 2)
+// "floor" is the benchmark's memory floor: Adam's access pattern with trivial math, Adam's scalars;
+// "floor1" that of the one-state rules (Lion, Adagrad: 3 reads, 2 writes), Lion's scalars.
+#define MFA_RULES(X)                                      \
+  X(Adam, "adam", AdamRule, AdamScalars, 2)               \
+  X(Lion, "lion", LionRule, LionScalars, 1)               \
+  X(Adagrad, "adagrad", AdagradRule, AdagradScalars, 1)   \
+  X(Floor, "floor", FloorRule, AdamScalars, 2)            \
+  X(Floor1, "floor1", Floor1Rule, LionScalars, 1)
 
 enum class RuleId : int {
 #define MFA_RULE_ID(id, name, functor, scalars, states) id,

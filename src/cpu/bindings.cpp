@@ -13,6 +13,8 @@
 #include "dispatch.h"
 #include "step.h"
 #include "thread_pool.h"
+#include "zenflow_ctrl.h"
+#include "torch_openmp.h"
 
 namespace nb = nanobind;
 using namespace mfa;
@@ -20,6 +22,7 @@ using namespace mfa;
 namespace mfa {
 void register_adam8bit(nb::module_& m);  // adam8bit.cpp: the 8-bit block-wise Adam step
 }
+void register_step_plan(nb::module_& m);  // step_plan.cpp
 
 namespace {
 
@@ -111,6 +114,30 @@ void step(const std::string& rule, nb::list params, nb::list grads, nb::list sta
   run_step(spans, fn, blob, num_threads);
 }
 
+// ZenFlow's control block (zenflow_ctrl.h). Everything that can block releases the GIL, as
+// DeepSpeed's bindings do, so the training thread keeps running while the optimizer process works.
+void register_zenflow(nb::module_& m) {
+  namespace zf = mfa::zenflow;
+  m.def("zenflow_supported", &zf::supported, "Whether ZenFlow's cross-process control block exists here (Linux).");
+  m.def("zenflow_ctrl_size", &zf::ctrl_size);
+  m.def("zenflow_ctrl_init", &zf::ctrl_init, nb::arg("ctrl"), nb::arg("num_groups"));
+  m.def("zenflow_submit", &zf::submit, nb::call_guard<nb::gil_scoped_release>());
+  m.def("zenflow_wait", &zf::wait_done, nb::arg("ctrl"), nb::arg("timeout_s"), nb::call_guard<nb::gil_scoped_release>());
+  m.def("zenflow_ctrl_exit", &zf::ctrl_exit, nb::call_guard<nb::gil_scoped_release>());
+  m.def("zenflow_wait_command", [](uintptr_t ctrl) {
+    zf::Command c;
+    {
+      nb::gil_scoped_release release;
+      c = zf::wait_command(ctrl);
+    }
+    return nb::make_tuple(c.cmd == zf::kCmdExit, c.now_state, c.step, c.hp, c.bias_correction);
+  }, "Optimizer process: block until the next command; (exit, now_state, step, hp, bias_correction), hp holding "
+     "lr, beta1, beta2, eps, weight_decay per group.");
+  m.def("zenflow_post_done", &zf::post_done);
+  m.def("zenflow_steps_done", &zf::steps_done);
+  m.def("zenflow_backend", &zf::backend_name);
+}
+
 }  // namespace
 
 NB_MODULE(_cpu, m) {
@@ -135,5 +162,18 @@ NB_MODULE(_cpu, m) {
   }, "The SIMD builds this CPU can run, best first.");
   m.def("set_simd_path", [](const std::string& name) { set_active_isa(name); }, "Select a SIMD build by name.");
   register_adam8bit(m);
+  register_step_plan(m);
   m.def("pool_size", [] { return ThreadPool::instance().size(); }, "Threads in the pool, the caller included.");
+  m.def("pin_pool", [](const std::vector<int>& cores, bool one_per_thread) {
+    return ThreadPool::instance().pin(cores, one_per_thread);
+  }, "pin_pool(cores, one_per_thread): pin the pool's threads, the calling thread as thread 0 (Linux; "
+     "False where the platform cannot pin or a core was refused).");
+  m.def("thread_cores", [] { return current_thread_cores(); }, "The cores the calling thread may run on (Linux).");
+  register_zenflow(m);
+  m.def("thread_pool", [] {
+    std::string path = torch_openmp_path();
+    return torch_openmp_enabled() ? "torch's OpenMP (" + path + ")" : std::string("own");
+  }, "Whose threads run a step: torch's OpenMP runtime (borrowed, not linked) or our own pool.");
+  m.def("use_torch_openmp", [](bool on) { set_torch_openmp(on); },
+        "Run steps on torch's OpenMP threads where available (default), or on our own pool.");
 }

@@ -9,6 +9,13 @@ struct Vec {
   static F set1(float x) { return vdupq_n_f32(x); }
   static F sqrt(F x) { return vsqrtq_f32(x); }
   static F neg(F x) { return vnegq_f32(x); }
+  // Lion's sign: 1 where x > 0, -1 where x < 0, else x - x (+0 for both zeros, NaN for NaN).
+  static F sign(F x) {
+    const F zero = vdupq_n_f32(0.0f);
+    F s = vsubq_f32(x, x);
+    s = vbslq_f32(vcgtq_f32(x, zero), vdupq_n_f32(1.0f), s);
+    return vbslq_f32(vcltq_f32(x, zero), vdupq_n_f32(-1.0f), s);
+  }
   static F load(const float* p) { return vld1q_f32(p); }
   static void store(float* p, F x) { vst1q_f32(p, x); }
   static F load(const f16* p) {

@@ -10,6 +10,8 @@ struct Vec {
   static F set1(float x) { return x; }
   static F sqrt(F x) { return std::sqrt(x); }
   static F neg(F x) { return -x; }
+  // Lion's sign: 1 for x > 0, -1 for x < 0, else x - x (+0 for both zeros, NaN for NaN).
+  static F sign(F x) { return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : x - x); }
   static F load(const float* p) { return *p; }
   static void store(float* p, F x) { *p = x; }
 

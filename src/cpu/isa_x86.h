@@ -11,6 +11,13 @@ struct Vec {
   static F set1(float x) { return _mm256_set1_ps(x); }
   static F sqrt(F x) { return _mm256_sqrt_ps(x); }
   static F neg(F x) { return _mm256_xor_ps(x, _mm256_set1_ps(-0.0f)); }
+  // Lion's sign: 1 where x > 0, -1 where x < 0, else x - x (+0 for both zeros, NaN for NaN).
+  static F sign(F x) {
+    const F zero = _mm256_setzero_ps();
+    F s = _mm256_sub_ps(x, x);
+    s = _mm256_blendv_ps(s, _mm256_set1_ps(1.0f), _mm256_cmp_ps(x, zero, _CMP_GT_OQ));
+    return _mm256_blendv_ps(s, _mm256_set1_ps(-1.0f), _mm256_cmp_ps(x, zero, _CMP_LT_OQ));
+  }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
   static F load(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
@@ -40,6 +47,13 @@ struct Vec {
   static F sqrt(F x) { return _mm512_sqrt_ps(x); }
   static F neg(F x) {
     return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN)));
+  }
+  // Lion's sign: 1 where x > 0, -1 where x < 0, else x - x (+0 for both zeros, NaN for NaN).
+  static F sign(F x) {
+    const F zero = _mm512_setzero_ps();
+    F s = _mm512_sub_ps(x, x);
+    s = _mm512_mask_mov_ps(s, _mm512_cmp_ps_mask(x, zero, _CMP_GT_OQ), _mm512_set1_ps(1.0f));
+    return _mm512_mask_mov_ps(s, _mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ), _mm512_set1_ps(-1.0f));
   }
   static F load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, F x) { _mm512_storeu_ps(p, x); }

@@ -32,6 +32,60 @@ struct AdamRule {
   }
 };
 
+// Lion (contract.py): no sqrt, no division. sign(c) is 1, -1, +0 for both zeros, NaN for NaN
+// (Vec::sign); lr * sign(c) is exact, so the parameter update rounds once.
+struct LionRule {
+  static constexpr int kStates = 1;
+  using Scalars = LionScalars;
+  using F = Vec::F;
+  F lr, beta1, beta2, omb1, omb2, decay;
+  bool maximize;
+  explicit LionRule(const Scalars& s)
+      : lr(Vec::set1(s.lr)), beta1(Vec::set1(s.beta1)), beta2(Vec::set1(s.beta2)),
+        omb1(Vec::set1(s.one_minus_beta1)), omb2(Vec::set1(s.one_minus_beta2)), decay(Vec::set1(s.decay)),
+        maximize(s.maximize != 0) {}
+  inline void operator()(F& p, F g, F* s) const {
+    F& m = s[0];
+    if (maximize) g = Vec::neg(g);
+    F c = beta1 * m + omb1 * g;
+    p = p * decay;
+    p = p - lr * Vec::sign(c);
+    m = beta2 * m + omb2 * g;
+  }
+};
+
+// Adagrad (torch.optim.Adagrad's algorithm, contract.py): one sqrt, one division. The quotient
+// g / (sqrt(s) + eps) lies in [-1, 1], so multiplying it by the step size cannot overflow.
+struct AdagradRule {
+  static constexpr int kStates = 1;
+  using Scalars = AdagradScalars;
+  using F = Vec::F;
+  F clr, eps, wd;
+  bool l2, maximize;
+  explicit AdagradRule(const Scalars& s)
+      : clr(Vec::set1(s.clr)), eps(Vec::set1(s.eps)), wd(Vec::set1(s.weight_decay)), l2(s.l2 != 0),
+        maximize(s.maximize != 0) {}
+  inline void operator()(F& p, F g, F* s) const {
+    F& acc = s[0];
+    if (maximize) g = Vec::neg(g);
+    if (l2) g = g + wd * p;
+    acc = acc + g * g;
+    p = p - clr * (g / (Vec::sqrt(acc) + eps));
+  }
+};
+
+// The memory floor of one-state rules (Lion, Adagrad): 3 reads, 2 in-place writes, trivial math.
+struct Floor1Rule {
+  static constexpr int kStates = 1;
+  using Scalars = LionScalars;
+  using F = Vec::F;
+  explicit Floor1Rule(const Scalars&) {}
+  inline void operator()(F& p, F g, F* s) const {
+    s[0] = s[0] + g;
+    p = p + s[0];
+  }
+};
+
 // The memory floor: Adam's access pattern (4 reads, 3 in-place writes) with trivial math.
 struct FloorRule {
   static constexpr int kStates = 2;

@@ -1,8 +1,14 @@
 #include "thread_pool.h"
 
 #include <unistd.h>
+#if defined(__linux__)
+#include <pthread.h>
+#include <sched.h>
+#endif
 
 #include <new>
+
+#include "torch_openmp.h"
 
 namespace mfa {
 
@@ -39,7 +45,56 @@ void ThreadPool::grow(int workers) {
     // The worker starts from the current generation, passed in rather than read by the new
     // thread: run() may bump it before the thread first gets scheduled.
     workers_.emplace_back([this, index, gen = generation_] { worker_loop(index, gen); });
+    if (!pin_cores_.empty()) apply_pin(workers_.back().native_handle(), index);
   }
+}
+
+bool ThreadPool::apply_pin(std::thread::native_handle_type thread, int index) {
+#if defined(__linux__)
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (pin_one_per_thread_) {
+    CPU_SET(pin_cores_[static_cast<size_t>(index) % pin_cores_.size()], &set);
+  } else {
+    for (int core : pin_cores_) CPU_SET(core, &set);
+  }
+  return pthread_setaffinity_np(thread, sizeof(cpu_set_t), &set) == 0;
+#else
+  (void)thread;
+  (void)index;
+  (void)pin_one_per_thread_;
+  return false;  // macOS has no thread-to-core pinning (affinity tags are hints, unsupported on arm64)
+#endif
+}
+
+std::vector<int> current_thread_cores() {
+  std::vector<int> cores;
+#if defined(__linux__)
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (pthread_getaffinity_np(pthread_self(), sizeof(cpu_set_t), &set) == 0)
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+      if (CPU_ISSET(c, &set)) cores.push_back(c);
+#endif
+  return cores;
+}
+
+bool ThreadPool::pin(const std::vector<int>& cores, bool one_per_thread) {
+#if defined(__linux__)
+  if (cores.empty()) return true;
+  for (int core : cores)
+    if (core < 0 || core >= CPU_SETSIZE) return false;
+  std::lock_guard<std::mutex> serial(run_mu_);  // no run() in flight while threads move
+  pin_cores_ = cores;
+  pin_one_per_thread_ = one_per_thread;
+  bool ok = apply_pin(pthread_self(), 0);
+  for (size_t i = 0; i < workers_.size(); ++i) ok = apply_pin(workers_[i].native_handle(), static_cast<int>(i) + 1) && ok;
+  return ok;
+#else
+  (void)cores;
+  (void)one_per_thread;
+  return false;
+#endif
 }
 
 void ThreadPool::worker_loop(int index, uint64_t seen) {
@@ -66,6 +121,8 @@ void ThreadPool::run(int n, Task task, void* ctx) {
     task(ctx, 0);
     return;
   }
+  // torch's own OpenMP threads where they can be borrowed (torch_openmp.h says why).
+  if (run_on_torch_openmp(n, task, ctx)) return;
   std::lock_guard<std::mutex> serial(run_mu_);
   long pid = static_cast<long>(getpid());
   if (owner_pid_ != pid) {

@@ -1,5 +1,5 @@
 // A persistent worker pool with no OpenMP runtime: torch ships its own libomp on macOS and a
-// second OpenMP runtime in the process aborts (DESIGN.md section 4).
+// second OpenMP runtime in the process aborts (the README's "The CPU kernel").
 #pragma once
 #include <condition_variable>
 #include <cstdint>
@@ -9,6 +9,9 @@
 
 namespace mfa {
 
+// The cores the calling thread may run on (Linux; empty elsewhere).
+std::vector<int> current_thread_cores();
+
 class ThreadPool {
  public:
   using Task = void (*)(void* ctx, int index);
@@ -17,6 +20,12 @@ class ThreadPool {
   // Calls from different threads are serialized.
   void run(int n, Task task, void* ctx);
   int size() const { return static_cast<int>(workers_.size()) + 1; }
+  // Pins the pool's threads to `cores` (Linux; elsewhere returns false and changes nothing):
+  // with one_per_thread, pool thread i (the caller of run() being 0) to cores[i % n] alone, for
+  // ZenFlow's optimizer process, whose pool owns its cores; otherwise every thread to the whole
+  // list (how the previous placement is restored). Workers started later get the same placement.
+  // Returns false if the platform cannot pin or the kernel refused a core.
+  bool pin(const std::vector<int>& cores, bool one_per_thread);
 
  private:
   ThreadPool() = default;
@@ -24,6 +33,7 @@ class ThreadPool {
   void grow(int workers);
   void worker_loop(int index, uint64_t seen);
   void forget_after_fork();
+  bool apply_pin(std::thread::native_handle_type thread, int index);
 
   std::mutex run_mu_;  // one run at a time
   std::mutex mu_;
@@ -35,6 +45,8 @@ class ThreadPool {
   Task task_ = nullptr;
   void* ctx_ = nullptr;
   long owner_pid_ = 0;
+  std::vector<int> pin_cores_;  // empty: never pinned
+  bool pin_one_per_thread_ = false;
 };
 
 }  // namespace mfa

@@ -1,12 +1,11 @@
-// The `_metal` extension: runs metal/fused_adam.metal's kernels (fused_adam.metallib) on PyTorch's
-// MPS stream, knowing nothing of any update rule. load(metallib_path, kernel_names) loads the
-// library and the named kernels' pipelines once. step(kernel_name, tensors, scalars) encodes a
-// group into one compute encoder on PyTorch's command buffer, under PyTorch's dispatch queue,
-// without waiting for the GPU: tensors = [params, grads, state lists...], each tensor a
-// (MTLBuffer handle, byte offset, numel) triple; list k binds to buffer k, then the scalar blob
-// (the rule's struct), base and n (fused_adam.metal's header). Caller: mps_backends.py;
-// stand-in: tests/emulated_mps.py.
-// Untested on Apple hardware until the release pipeline's Apple Silicon job has run.
+// The `_metal` extension: runs fused_adam.metallib's kernels on PyTorch's MPS stream, knowing
+// nothing of any update rule. load(metallib_path, kernel_names) loads the library and the named
+// kernels' pipelines once. step(kernel_name, tensors, scalars) encodes a group into one compute
+// encoder on PyTorch's command buffer, on PyTorch's queue, without waiting for the GPU: tensors =
+// [params, grads, state lists...], each tensor a (MTLBuffer handle, byte offset, numel) triple;
+// list k binds to buffer k, then the scalar blob (the rule's struct), base and n. Caller:
+// mps_backends.py; stand-in: tests/emulated_mps.py. Untested on Apple hardware (checks:
+// tests/test_apple_artifacts.py).
 #import <Foundation/Foundation.h>
 #import <Metal/Metal.h>
 
@@ -78,8 +77,8 @@ Fn torch_symbol(void* libtorch, const char* name) {
 void* loaded_libtorch() {
   static const char kName[] = "/libtorch_cpu.dylib";
   for (uint32_t i = 0; i < _dyld_image_count(); ++i) {
-    const char* image = _dyld_get_image_name(i);
-    const size_t len = std::strlen(image);
+    const char* image = _dyld_get_image_name(i);  // NULL while images are being added/removed
+    const size_t len = image != nullptr ? std::strlen(image) : 0;
     if (len >= sizeof kName - 1 && std::strcmp(image + len - (sizeof kName - 1), kName) == 0) {
       return dlopen(image, RTLD_LAZY | RTLD_NOLOAD);
     }
@@ -102,10 +101,11 @@ void load(const std::string& path, const std::vector<std::string>& kernel_names)
       libtorch, "_ZN5torch3mps18get_dispatch_queueEv");
   g_torch.commit = torch_symbol<void (*)()>(libtorch, "_ZN5torch3mps6commitEv");
   @autoreleasepool {
-    id<MTLDevice> device = MTLCreateSystemDefaultDevice();  // the device PyTorch's MPS uses
-    if (device == nil) {
-      fail("no Metal device", nil);
-    }
+    // PyTorch's own device (it picks among MTLCopyAllDevices; MTLCreateSystemDefaultDevice may be
+    // nil without CoreGraphics): that of its command buffer, read on its queue.
+    __block id<MTLDevice> device = nil;
+    dispatch_sync(g_torch.get_dispatch_queue(), ^{ device = g_torch.get_command_buffer().device; });
+    if (device == nil) fail("PyTorch's MPS command buffer has no device", nil);
     NSError* error = nil;
     NSURL* url = [NSURL fileURLWithPath:[NSString stringWithUTF8String:path.c_str()]];
     id<MTLLibrary> library = [device newLibraryWithURL:url error:&error];

@@ -35,6 +35,14 @@ def package_root() -> str:
     return str(Path(mps_fused_adam.deepspeed.__file__).resolve().parents[2])
 
 
+def _on_interpreter_path(directory: str) -> bool:
+    """Whether ``directory`` is on sys.path of this interpreter without PYTHONPATH (site-packages,
+    also one added by a .pth file)."""
+    from_env = {str(Path(p).resolve()) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    resolved = str(Path(directory).resolve())
+    return resolved not in from_env and resolved in {str(Path(p).resolve()) for p in sys.path if p}
+
+
 def no_compiler_env(tmp_path: Path, **extra: str) -> dict:
     """An environment for a subprocess in which no compiler, linker or ninja can be found."""
     bin_dir = tmp_path / "bin"
@@ -46,9 +54,15 @@ def no_compiler_env(tmp_path: Path, **extra: str) -> dict:
     ext_dir = tmp_path / "torch_extensions"
     ext_dir.mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "DS_BUILD"))}
+    # The package's directory goes on PYTHONPATH only when the interpreter would not find it: a
+    # site-packages directory there would shadow the interpreter's own DeepSpeed (CI runs these
+    # tests with one virtual environment per DeepSpeed release, each seeing the wheel's
+    # environment, which holds another DeepSpeed, behind its own site-packages).
+    root = package_root()
+    paths = [str(SUPPORT)] if _on_interpreter_path(root) else [root, str(SUPPORT)]
     env.update(
         PATH=str(bin_dir), CC="/bin/false", CXX="/bin/false", TORCH_EXTENSIONS_DIR=str(ext_dir),
-        PYTHONPATH=os.pathsep.join([package_root(), str(SUPPORT)]), OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "2"),
+        PYTHONPATH=os.pathsep.join(paths), OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "2"),
         PYTHONWARNINGS="ignore::FutureWarning",
     )
     env.update(extra)

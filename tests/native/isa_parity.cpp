@@ -1,5 +1,6 @@
 // Cross-build check: the native SIMD build (NEON on arm64) against the scalar build, bit for bit,
-// for every dtype pair, both modes and the memory-floor loop. Built with the same flags as the
+// for every dtype pair, both modes and the memory-floor loop; then the one-state rules (Lion with
+// its sign at zero momentum, Adagrad with and without L2, both with maximize) and their floor. Built with the same flags as the
 // extension by tests/test_native_isa.py and run under qemu-aarch64 on x86-64 machines.
 #include <cstdint>
 #include <cstdio>
@@ -72,6 +73,44 @@ int main() {
         bool same = bufs[0] == bufs[1];
         same ? ++passed : ++failed;
         if (!same) std::printf("MISMATCH %s vs %s: combo %d n %d mode %d\n", a.name, b.name, combo, n, mode);
+      }
+    }
+  }
+  // One-state rules: mode 0-3 Lion (maximize x weight decay), 4-7 Adagrad (maximize x L2), 8 floor1.
+  for (int combo = 0; combo < int(Combo::Count); ++combo) {
+    for (int n : sizes) {
+      for (int mode = 0; mode < 9; ++mode) {
+        const bool mx = (mode & 1) != 0, wd = (mode & 2) != 0;
+        LionScalars ls{1e-2f, 0.9f, 0.99f, 0.1f, 0.01f, wd ? 0.999f : 1.0f, mx};
+        AdagradScalars as{1e-2f, 1e-10f, wd ? 0.1f : 0.0f, wd, mx};
+        RuleId id = mode < 4 ? RuleId::Lion : mode < 8 ? RuleId::Adagrad : RuleId::Floor1;
+        const void* scalars = mode >= 4 && mode < 8 ? static_cast<const void*>(&as) : static_cast<const void*>(&ls);
+        std::vector<std::vector<uint8_t>> bufs[2];
+        for (int k = 0; k < 2; ++k) bufs[k].resize(3);
+        int es[3] = {elem[combo], elem[combo], state_elem[combo]};
+        for (int t = 0; t < 3; ++t) {
+          bufs[0][t].resize(size_t(n) * es[t]);
+          for (int i = 0; i < n; ++i) {
+            float x = dist(rng) / 256.0f;  // zeros included: Lion's c = 0 path
+            if (t == 2 && id == RuleId::Adagrad) x = x < 0 ? -x : x;  // a sum of squares
+            if (es[t] == 4) std::memcpy(&bufs[0][t][i * 4], &x, 4);
+            else {
+              uint16_t h = to_half_bits(x, combo >= int(Combo::BF16_F32));
+              std::memcpy(&bufs[0][t][i * 2], &h, 2);
+            }
+          }
+          bufs[1][t] = bufs[0][t];
+        }
+        for (int k = 0; k < 2; ++k) {
+          const IsaTable& tab = k == 0 ? a : b;
+          Span sp{bufs[k][0].data(), bufs[k][1].data(), {bufs[k][2].data(), nullptr}, n};
+          SpanFn fn = tab.fn[int(id)][combo];
+          fn(sp, 0, n, scalars);
+          fn(sp, 0, n, scalars);
+        }
+        bool same = bufs[0] == bufs[1];
+        same ? ++passed : ++failed;
+        if (!same) std::printf("MISMATCH %s vs %s: one-state combo %d n %d mode %d\n", a.name, b.name, combo, n, mode);
       }
     }
   }

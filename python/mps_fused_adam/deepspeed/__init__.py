@@ -5,11 +5,18 @@
     engine, optimizer, _, _ = deepspeed.initialize(model=model, config=config)
 
 ``install()`` redirects DeepSpeed's ``FusedAdamBuilder`` and ``CPUAdamBuilder`` on the active
-accelerator (MPS, CPU, CUDA...) to the facades in :mod:`.ops`, so ``deepspeed.ops.adam.FusedAdam``
-and ``DeepSpeedCPUAdam`` (also when ``deepspeed.initialize`` builds them from a config's
-``"optimizer"`` section, and under ZeRO stages 0 to 3 with or without offload) run our kernels,
-and no op is JIT-compiled. With MPS present it selects DeepSpeed's MPS accelerator, extended by
-:mod:`.accelerator`. DeepSpeed's optimizer classes are untouched, so ZeRO's type checks pass.
+accelerator (MPS, CPU, CUDA...) to the facades in :mod:`.ops`, and ``FusedLionBuilder``,
+``CPULionBuilder`` and ``CPUAdagradBuilder`` to those in :mod:`.rule_ops`, so
+``deepspeed.ops.adam.FusedAdam``, ``DeepSpeedCPUAdam``, ``deepspeed.ops.lion.FusedLion``,
+``DeepSpeedCPULion`` and ``deepspeed.ops.adagrad.DeepSpeedCPUAdagrad`` (also when
+``deepspeed.initialize`` builds them from a config's ``"optimizer"`` section: types Adam, AdamW,
+Lion, and Adagrad with CPU offload; under ZeRO stages 0 to 3 with or without offload) run our
+kernels, and no op is JIT-compiled. Lamb (``FusedLamb``, CUDA-only in DeepSpeed) is out of scope:
+loading its builder raises an error that says so. With MPS present it selects DeepSpeed's MPS
+accelerator, extended by :mod:`.accelerator`, and applies :mod:`.runtime_fixes`. DeepSpeed's
+optimizer classes are untouched, so ZeRO's type checks pass. In a process started without a
+launcher it sets the single-process rendezvous variables (:data:`SINGLE_PROCESS_DEFAULTS`), so that
+``deepspeed.initialize`` does not fall into DeepSpeed's MPI discovery.
 
 Importing this package does not import DeepSpeed; ``install()`` does.
 """
@@ -17,17 +24,33 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import threading
 from typing import Any, Dict
 
 from .ops import kernel_calls, reset_kernel_calls
 
-__all__ = ["install", "installed", "kernel_calls", "reset_kernel_calls", "MIN_DEEPSPEED", "TESTED_DEEPSPEED"]
+__all__ = ["install", "installed", "kernel_calls", "reset_kernel_calls", "MIN_DEEPSPEED", "TESTED_DEEPSPEED",
+           "PSEUDO_MPS_TESTED", "SINGLE_PROCESS_DEFAULTS"]
 
-#: Oldest DeepSpeed whose op interfaces (``multi_tensor_adam``; ``create_adam`` with ``should_log``;
-#: ``set_accelerator``) match the facades. Only TESTED_DEEPSPEED is tested in CI.
-MIN_DEEPSPEED = "0.14.0"
+#: Oldest DeepSpeed supported: the oldest release that CI runs (0.14.0 to 0.14.3 do not import
+#: with torch 2.13: their elastic agent imports names torch has removed).
+MIN_DEEPSPEED = "0.14.4"
+#: The release the whole test suite runs against in CI.
 TESTED_DEEPSPEED = "0.19.8"
+#: Releases the pseudo-MPS ZeRO tests (tests/test_deepspeed_pseudo_mps.py) pass with, one per minor
+#: release from MIN_DEEPSPEED on; not run on Apple hardware. CI runs 0.19.8 in the main suite and
+#: 0.14.4, 0.16.9, 0.18.9 by ci/test_deepspeed_releases.sh; 0.15.4 and 0.17.6 were run by the same
+#: script on the development machine.
+PSEUDO_MPS_TESTED = ("0.14.4", "0.15.4", "0.16.9", "0.17.6", "0.18.9", "0.19.8")
+
+#: Set by install() when none of them is set (a single process started without a launcher).
+#: MASTER_PORT is a free port chosen then.
+SINGLE_PROCESS_DEFAULTS = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": None}
+# Signs of a launcher that DeepSpeed's own discovery handles (MPI, AzureML, SageMaker, DLTS).
+_LAUNCHER_HINTS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE",
+                   "AZUREML_EXPERIMENT_ID", "SM_TRAINING_ENV", "DLTS_JOB_ID")
 
 _lock = threading.RLock()
 _state: Dict[str, Any] = {}
@@ -62,6 +85,31 @@ def _mps_available() -> bool:
     return bool(mps is not None and mps.is_available())
 
 
+def _single_process_defaults() -> Dict[str, str]:
+    """Set SINGLE_PROCESS_DEFAULTS when no rendezvous variable and no launcher is present."""
+    if any(k in os.environ for k in SINGLE_PROCESS_DEFAULTS) or any(k in os.environ for k in _LAUNCHER_HINTS):
+        return {}
+    values = dict(SINGLE_PROCESS_DEFAULTS)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        values["MASTER_PORT"] = str(s.getsockname()[1])
+    os.environ.update(values)
+    return values
+
+
+def _apply_runtime_fixes(accel) -> list:
+    """Rebind accelerator methods DeepSpeed bound at import; on our MPS accelerator, also the
+    output-only CPU staging and the explicit ordering of host copies (see .runtime_fixes)."""
+    from .runtime_fixes import one_device_engine, order_host_copies, rebind_accelerator_methods
+    rebound = rebind_accelerator_methods(accel)
+    if getattr(accel, "mps_fused_adam_complete_base", None) is not None:
+        from .staging import install_cpu_staging
+        install_cpu_staging()
+        order_host_copies()
+        one_device_engine()
+    return rebound
+
+
 def _wrap_set_accelerator(redirect) -> None:
     """Accelerators set after install() (by the user or a launcher) get the same redirection."""
     import deepspeed.accelerator as ds_accel
@@ -78,6 +126,7 @@ def _wrap_set_accelerator(redirect) -> None:
             patch_accelerator(accel_obj, _state["redirect"])
             rebind_names(accel_obj)
             refresh_compatibility(accel_obj)
+            _state.setdefault("fixed", []).extend(_apply_runtime_fixes(accel_obj))
 
     set_accelerator._mps_fused_adam = True
     set_accelerator.__wrapped__ = original
@@ -86,7 +135,8 @@ def _wrap_set_accelerator(redirect) -> None:
     ds_accel.set_accelerator = set_accelerator
 
 
-def install(block_jit: bool = True, use_mps: bool | None = None) -> Dict[str, Any]:
+def install(block_jit: bool = True, use_mps: bool | None = None,
+            single_process_defaults: bool = True) -> Dict[str, Any]:
     """Make DeepSpeed run this package's Adam kernels. Idempotent; safe before or after ``import deepspeed``.
 
     Args:
@@ -97,18 +147,25 @@ def install(block_jit: bool = True, use_mps: bool | None = None) -> Dict[str, An
             those ops to DeepSpeed (a compiler and ninja are then needed if they are used).
         use_mps: select the MPS accelerator. ``None`` (default): when MPS is available, unless the
             ``DS_ACCELERATOR`` environment variable names another accelerator.
+        single_process_defaults: when none of ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+            ``MASTER_ADDR``, ``MASTER_PORT`` is set and no MPI/AzureML/SageMaker launcher is
+            detected, set them for one process (``0, 0, 1, 127.0.0.1``, a free port). Without
+            them DeepSpeed's ``init_distributed`` tries MPI discovery and fails without mpi4py.
+            Launchers (``deepspeed``, ``torchrun``) set them, and then nothing is changed.
 
     Returns:
         what is active: DeepSpeed's version, the accelerator's name, which builder names now load
-        our kernels, and the bound names that were rebound.
+        our kernels, the builders deliberately not provided and why (``out_of_scope``: Lamb), the
+        bound names that were rebound, and the environment variables set.
 
     Raises:
         ImportError: DeepSpeed is not installed. RuntimeError: it is older than ``MIN_DEEPSPEED``.
     """
     deepspeed = _import_deepspeed()
+    env_set = _single_process_defaults() if single_process_defaults else {}
     from deepspeed.accelerator import get_accelerator
 
-    from .builders import OUR_OPS, Redirect, patch_accelerator, rebind_names, refresh_compatibility
+    from .builders import OUR_OPS, OUT_OF_SCOPE, Redirect, patch_accelerator, rebind_names, refresh_compatibility
 
     with _lock:
         redirect = _state.get("redirect")
@@ -127,12 +184,18 @@ def install(block_jit: bool = True, use_mps: bool | None = None) -> Dict[str, An
         patch_accelerator(accel, redirect)
         rebound = rebind_names(accel)
         refresh_compatibility(accel)
+        rebound += _apply_runtime_fixes(accel) + _state.pop("fixed", [])  # after set_accelerator
+        from .zenflow import patch_optimizer_process
+        patch_optimizer_process(block_jit)  # ZenFlow's spawned optimizer process runs install() too
+        previous = _state.get("report", {})
         _state["report"] = report = {
             "deepspeed": deepspeed.__version__,
             "accelerator": accel._name,
             "ours": sorted(OUR_OPS),
+            "out_of_scope": dict(OUT_OF_SCOPE),
             "block_jit": block_jit,
-            "rebound": sorted(set(_state.get("report", {}).get("rebound", [])) | set(rebound)),
+            "rebound": sorted(set(previous.get("rebound", [])) | set(rebound)),
+            "env_set": {**previous.get("env_set", {}), **env_set},
         }
         return dict(report)
 

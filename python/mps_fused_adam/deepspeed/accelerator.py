@@ -1,29 +1,49 @@
 """The MPS accelerator for DeepSpeed: DeepSpeed's own, extended only where it must be.
 
-DeepSpeed 0.19.8 carries a complete ``MPS_Accelerator`` (memory statistics from ``torch.mps``,
-gloo with CPU staging of MPS tensors in its comm backend, ``pin_memory`` a no-op). Older releases
-carry a stub (no comm backend, ``None`` memory statistics, fp32 only, ``pin_memory`` that raises
-for MPS). :func:`mps_accelerator` subclasses whichever one is installed and adds:
+DeepSpeed 0.19.6 and later carry a complete ``MPS_Accelerator`` (memory statistics from ``torch.mps``,
+gloo with CPU staging of MPS tensors in its comm backend, ``pin_memory`` a no-op). Releases 0.14
+to 0.19.5 carry a stub (no comm backend, ``None`` memory statistics, fp32 only, ``stream()`` that
+returns ``None``, ``pin_memory`` that raises for MPS). :func:`mps_accelerator` subclasses
+whichever one is installed and adds:
 
-* always: ``IntTensor`` etc. that create tensors on the MPS device. ``FusedAdam`` keeps its
-  overflow buffer in ``get_accelerator().IntTensor([0])``; DeepSpeed's legacy ``torch.IntTensor``
-  constructors would put it on the CPU. (The op builders are redirected by ``install()`` for every
-  accelerator, so they are not repeated here.)
-* for a stub: the complete method set of :class:`_CompleteMPS`, and CPU staging of MPS tensors
-  for gloo collectives (:func:`install_cpu_staging`).
+* always: one device. A Mac has one GPU, and every local rank (``deepspeed --num_gpus 2``,
+  torchrun with two processes) gets it: ``device_name(i)`` is ``"mps:0"`` for every ``i``, where
+  DeepSpeed's own answers ``"mps:1"`` for local rank 1 (a device that does not exist).
+  ``IntTensor`` etc. create tensors on the MPS device (``FusedAdam`` keeps its overflow buffer in
+  ``get_accelerator().IntTensor([0])``; DeepSpeed's legacy ``torch.IntTensor`` constructors would
+  put it on the CPU).
+* always: CPU staging of MPS tensors for gloo that copies back outputs only
+  (:mod:`.staging`; DeepSpeed 0.19's own staging copies inputs back too and corrupts ZeRO-3's
+  reduce-scatter).
+* for a stub: the complete method set of :class:`_CompleteMPS`.
 
-Only the decision logic runs on Linux (with ``torch.mps`` replaced by stand-ins in the tests);
-the real run belongs to the Apple Silicon CI job. Untested on Apple hardware.
+The op builders are redirected by ``install()`` for every accelerator, so they are not repeated
+here. Only the decision logic runs on Linux (in the pseudo-MPS tests, with ``torch.mps`` replaced
+by stand-ins and the device mapped to the CPU); untested on Apple hardware.
 """
 from __future__ import annotations
 
-import functools
-import inspect
+import contextlib
 import platform
 
 import torch
 
-__all__ = ["mps_accelerator", "deepspeed_mps_is_complete", "install_cpu_staging", "macos_at_least"]
+from . import staging
+from .staging import install_cpu_staging
+
+__all__ = ["mps_accelerator", "deepspeed_mps_is_complete", "install_cpu_staging", "macos_at_least",
+           "set_device_type"]
+
+
+def set_device_type(device_type: str) -> None:
+    """The torch device type the accelerator's tensors live on: ``"mps"`` (always, outside tests).
+
+    The pseudo-MPS test mode sets ``"cpu"``, so that DeepSpeed's real ZeRO code runs through this
+    very accelerator on a machine without MPS (tests/deepspeed_support/pseudo_mps.py).
+    """
+    if device_type not in ("mps", "cpu"):
+        raise ValueError(f"device_type must be 'mps' or 'cpu', got {device_type!r}")
+    staging.DEVICE_TYPE = device_type
 
 
 def macos_at_least(major: int, minor: int = 0) -> bool:
@@ -40,7 +60,7 @@ def macos_at_least(major: int, minor: int = 0) -> bool:
 
 
 def deepspeed_mps_is_complete() -> bool:
-    """True when the installed DeepSpeed's MPS support is the complete one (0.19.8 and later):
+    """True when the installed DeepSpeed's MPS support is the complete one (0.19.6 and later):
     its comm backend stages MPS tensors through the CPU for gloo. The stub releases lack it."""
     import importlib
     # importlib, not `import deepspeed.comm.torch as m`: that resolves the name `torch` on
@@ -51,9 +71,9 @@ def deepspeed_mps_is_complete() -> bool:
 class _DeviceTensorType:
     """``torch.IntTensor``-style constructor that puts the tensor on the MPS device."""
 
-    def __init__(self, dtype: torch.dtype, device: str = "mps") -> None:
+    def __init__(self, dtype: torch.dtype, device: str | None = None) -> None:
         self.dtype = dtype
-        self.device = device
+        self.device = staging.DEVICE_TYPE if device is None else device
 
     def __call__(self, *args):
         if len(args) == 1 and not isinstance(args[0], int):
@@ -64,8 +84,64 @@ class _DeviceTensorType:
         return f"<{self.dtype} tensor type on {self.device}>"
 
 
+def _device_index(device_index) -> int:
+    # DeepSpeed passes the local rank (sometimes as the LOCAL_RANK string) or a torch.device.
+    if isinstance(device_index, torch.device):
+        return device_index.index or 0
+    if isinstance(device_index, str) and ":" in device_index:
+        device_index = device_index.rsplit(":", 1)[1]
+    try:
+        index = int(device_index)
+    except (TypeError, ValueError):
+        raise ValueError(f"MPS accelerator: device index must be an integer (a local rank), "
+                         f"got {device_index!r}") from None
+    if index < 0:
+        raise ValueError(f"MPS accelerator: device index must be >= 0, got {index}")
+    return index
+
+
+class _OneDevice:
+    """Every local rank maps to the one MPS device (mixed in first, for every DeepSpeed release).
+
+    Several processes on one Mac share its GPU; each process has its own Metal command queue.
+    """
+
+    def device_name(self, device_index=None):
+        kind = staging.DEVICE_TYPE
+        if device_index is None:
+            return kind
+        _device_index(device_index)
+        return f"{kind}:0" if kind == "mps" else kind
+
+    def device(self, device_index=None):
+        return torch.device(self.device_name(0 if device_index is None else device_index))
+
+    def set_device(self, device_index):
+        _device_index(device_index)
+
+    def current_device(self):
+        return self.device(0)
+
+    def current_device_name(self):
+        return self.device_name(0)
+
+    def device_count(self):
+        return 1
+
+    def on_accelerator(self, tensor):
+        return tensor.device.type == staging.DEVICE_TYPE
+
+
 class _CompleteMPS:
     """Methods a stub ``MPS_Accelerator`` lacks or gets wrong (mixed in before it, so they win)."""
+
+    # ZeRO enters `with get_accelerator().stream(...)` unguarded; the stub returns None.
+    def stream(self, stream):
+        return contextlib.nullcontext()
+
+    @property
+    def Event(self):
+        return torch.mps.Event
 
     def communication_backend_name(self):
         # MPS has no collective backend; gloo runs on CPU copies (install_cpu_staging).
@@ -171,7 +247,7 @@ def mps_accelerator(complete: bool | None = None):
 
     if complete is None:
         complete = deepspeed_mps_is_complete()
-    bases = (MPS_Accelerator,) if complete else (_CompleteMPS, MPS_Accelerator)
+    bases = (_OneDevice, MPS_Accelerator) if complete else (_OneDevice, _CompleteMPS, MPS_Accelerator)
     attrs = {name: _tensor_type_property(dtype) for name, dtype in _TENSOR_TYPES.items()}
     attrs["__doc__"] = "DeepSpeed's MPS accelerator with mps_fused_adam's extensions."
     attrs["mps_fused_adam_complete_base"] = complete
@@ -180,98 +256,5 @@ def mps_accelerator(complete: bool | None = None):
     if not complete:
         # The stub's constructor leaves the comm backend unset; DeepSpeed reads the attribute too.
         accel._communication_backend_name = "gloo"
-        install_cpu_staging()
+    install_cpu_staging()  # also for 0.19: its own staging copies inputs back (see .staging)
     return accel
-
-
-# Collectives whose tensor arguments are read and/or written: gloo cannot touch MPS memory, so
-# each MPS tensor argument is replaced by a CPU copy and copied back after the call completes.
-_STAGED_COLLECTIVES = (
-    "all_reduce", "inference_all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather",
-    "all_gather_into_tensor", "all_gather_base", "reduce_scatter", "reduce_scatter_tensor", "all_to_all_single",
-    "send", "recv", "isend", "irecv", "gather", "scatter",
-)
-
-
-class _StagedWork:
-    def __init__(self, work, copy_back):
-        self._work, self._copy_back = work, copy_back
-
-    def wait(self, *args, **kwargs):
-        result = self._work.wait(*args, **kwargs) if self._work is not None else None
-        self._copy_back()
-        return result
-
-    def is_completed(self):
-        return self._work is None or self._work.is_completed()
-
-
-def _needs_staging(t) -> bool:
-    return isinstance(t, torch.Tensor) and t.device.type == "mps"
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    return t.to("cpu")
-
-
-def _staged(func):
-    """Wrap a TorchBackend collective: MPS tensors (also inside lists) go through CPU copies."""
-
-    signature = inspect.signature(func)
-
-    @functools.wraps(func)
-    def wrapper(self, *args, **kwargs):
-        pairs = []
-
-        def stage(arg):
-            if _needs_staging(arg):
-                cpu = _to_host(arg)
-                pairs.append((arg, cpu))
-                return cpu
-            if isinstance(arg, list) and any(_needs_staging(t) for t in arg):
-                return [stage(t) for t in arg]
-            return arg
-
-        args = tuple(stage(a) for a in args)
-        kwargs = {k: stage(v) for k, v in kwargs.items()}
-        work = func(self, *args, **kwargs)
-        if not pairs:
-            return work
-
-        def copy_back():
-            for device_tensor, cpu_tensor in pairs:
-                device_tensor.copy_(cpu_tensor)
-
-        # async_op is usually passed positionally, so resolve it against the real signature.
-        try:
-            async_op = signature.bind(self, *args, **kwargs).arguments.get("async_op", False)
-        except TypeError:
-            async_op = False
-        is_async = func.__name__ in ("isend", "irecv") or bool(async_op)
-        if is_async and work is not None:
-            return _StagedWork(work, copy_back)
-        copy_back()
-        return work
-
-    wrapper._mps_fused_adam_staged = True
-    return wrapper
-
-
-def install_cpu_staging(backend_cls=None) -> list[str]:
-    """Wrap DeepSpeed's ``TorchBackend`` collectives with CPU staging, once; returns those wrapped.
-
-    Only for DeepSpeed releases whose comm backend lacks its own staging (see
-    :func:`deepspeed_mps_is_complete`); with 0.19.8 this is never called by ``install()``.
-    ``backend_cls`` defaults to ``deepspeed.comm.torch.TorchBackend``.
-    """
-    if backend_cls is None:
-        from deepspeed.comm.torch import TorchBackend as backend_cls
-
-    wrapped = []
-    for name in _STAGED_COLLECTIVES:
-        fn = getattr(backend_cls, name, None)
-        if fn is None or getattr(fn, "_mps_fused_adam_staged", False):
-            continue
-        setattr(backend_cls, name, _staged(fn))
-        wrapped.append(name)
-    return wrapped

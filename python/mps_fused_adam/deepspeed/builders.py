@@ -26,8 +26,24 @@ import threading
 from typing import Callable, Dict, Optional
 
 from .ops import CPU_ADAM_OP, FUSED_ADAM_OP
+from .rule_ops import CPU_ADAGRAD_OP, CPU_LION_OP, FUSED_LION_OP
 
-OUR_OPS = {"FusedAdamBuilder": FUSED_ADAM_OP, "CPUAdamBuilder": CPU_ADAM_OP}
+# builder class name -> (the op object its load() returns, DeepSpeed's op NAME, the package
+# DeepSpeed's absolute_name() places it in)
+_OPS = {
+    "FusedAdamBuilder": (FUSED_ADAM_OP, "fused_adam", "adam"),
+    "CPUAdamBuilder": (CPU_ADAM_OP, "cpu_adam", "adam"),
+    "FusedLionBuilder": (FUSED_LION_OP, "fused_lion", "lion"),
+    "CPULionBuilder": (CPU_LION_OP, "cpu_lion", "lion"),
+    "CPUAdagradBuilder": (CPU_ADAGRAD_OP, "cpu_adagrad", "adagrad"),
+}
+OUR_OPS = {name: op for name, (op, _, _) in _OPS.items()}
+
+# Ops a DeepSpeed config can ask for that this package deliberately does not provide, and why.
+OUT_OF_SCOPE = {
+    "FusedLambBuilder": "Lamb (FusedLamb) is out of scope for mps_fused_adam: DeepSpeed's kernel is "
+                        "CUDA-only and this package ships no Lamb kernel",
+}
 
 _lock = threading.RLock()
 # Generated classes, keyed by (original class, kind), so repeated lookups and repeated install()
@@ -53,11 +69,13 @@ def _our_builder(orig: Optional[type], class_name: str, op) -> type:
         cls = _generated.get(key)
         if cls is not None:
             return cls
-        if orig is None:
+        op_name, package = _OPS[class_name][1:]
+        if orig is None or getattr(orig, "NAME", op_name) != op_name:
+            # The accelerator has no builder of its own for this op (DeepSpeed's CPU and MPS
+            # accelerators return NotImplementedBuilder for FusedLionBuilder, the MPS one also for
+            # the CPU Lion and Adagrad builders): build on the generic base instead.
             from deepspeed.ops.op_builder.builder import OpBuilder
             orig = OpBuilder
-
-        op_name = {"FusedAdamBuilder": "fused_adam", "CPUAdamBuilder": "cpu_adam"}[class_name]
 
         def __init__(self, *args, **kwargs):
             try:
@@ -74,7 +92,7 @@ def _our_builder(orig: Optional[type], class_name: str, op) -> type:
         attrs = dict(
             __init__=__init__, load=load, jit_load=load, is_compatible=is_compatible,
             NAME=getattr(orig, "NAME", op_name),
-            absolute_name=lambda self: f"deepspeed.ops.adam.{op_name}_op",
+            absolute_name=lambda self: f"deepspeed.ops.{package}.{op_name}_op",
             sources=lambda self: [],
             _mps_fused_adam_kind="ours", __module__=__name__,
             __doc__=f"DeepSpeed's {class_name}, loading mps_fused_adam's prebuilt kernels (never JIT-builds).",
@@ -95,7 +113,9 @@ def _blocked_builder(orig: type, class_name: str) -> type:
             return False
 
         def load(self, verbose=True):
+            why = OUT_OF_SCOPE.get(class_name)
             raise RuntimeError(
+                (why + ". " if why else "") +
                 f"DeepSpeed op '{op_name}' ({class_name}) would be JIT-compiled, which "
                 f"mps_fused_adam.deepspeed.install(block_jit=True) prevents: this package ships kernels for "
                 f"{', '.join(sorted(OUR_OPS))} only. Call install(block_jit=False) to let DeepSpeed build it.")

@@ -156,6 +156,8 @@ class CPUAdamOp:
     def __init__(self) -> None:
         self._optimizers: Dict[int, dict] = {}
         self._lock = threading.Lock()
+        self._zenflow: Dict[int, object] = {}
+        self._next_zenflow = 0
 
     def create_adam(self, optimizer_id: int, alpha: float = 1e-3, betta1: float = 0.9, betta2: float = 0.999,
                     eps: float = 1e-8, weight_decay: float = 0.0, adamw_mode: bool = True,
@@ -217,19 +219,38 @@ class CPUAdamOp:
 
         Where DeepSpeed ignores the flags (it always bias-corrects and always treats weight
         decay as decoupled), this honours ``bias_correction=False`` and L2 mode
-        (``adamw_mode=False``), so the rollback inverts the step that was actually taken. Like
-        DeepSpeed, only fp32 tensors can be rolled back (low precision storage cannot be
-        inverted); DeepSpeed then prints an error and returns -1 with nothing changed, after which
-        its caller decrements the step anyway, so this raises instead. The result equals the
-        state before the step up to fp32 rounding, not bit for bit.
+        (``adamw_mode=False``), so the rollback inverts the step that was actually taken. The
+        result equals the state before the step up to fp32 rounding, not bit for bit.
+
+        fp16 and bf16 storage (params and grads, and states in fp32 or the param dtype) is rolled
+        back too, where DeepSpeed's returns -1 and changes nothing (its caller then decrements the
+        step count anyway, leaving the state one step ahead of its count): every tensor is widened
+        to fp32 exactly, the fp32 inverse above runs, ``exp_avg_sq`` is clamped at 0 (it is a sum of
+        squares, and the rounding of the stored value can push the inverse below 0, which would make
+        a later step take the square root of a negative number), and the results are rounded to
+        each tensor's storage dtype. With ``u`` the unit roundoff of a storage dtype (bf16 2**-8,
+        fp16 2**-11, fp32 2**-24) and ``Δ = lr * m̂ / (sqrt(v̂) + eps)`` the step's update, the
+        restored values lie within::
+
+            |p' - p0| <= (u_p |p1| + (u_m + u_v) |Δ|) / decay + u_p |p'|
+            |m' - m0| <= u_m |m1| / beta1 + u_m |m'|
+            |v' - v0| <= u_v |v1| / beta2 + u_v |v'|
+
+        plus a few fp32 ulps of each term (and, below a dtype's normal range, half its subnormal
+        spacing per rounding: 2**-25 for fp16), where ``p1, m1, v1`` are the stored values after the
+        step, ``decay = 1 - lr * wd`` (1 in L2 mode) and, in L2 mode, the moments' bound gains the
+        param's error times ``wd``. The first term of each is the rounding the step's storage
+        already lost, which no inverse can recover; when it is below half a storage ulp of the old
+        value, the old value comes back exactly.
         """
         cfg = self._config(optimizer_id)
         tensors = dict(params=params, grads=grads, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
         for name, t in tensors.items():
             _check(name, t, None if name == "params" else params)
-            if t.dtype != torch.float32:
-                raise TypeError(f"mps_fused_adam.deepspeed: adam_rollback supports float32 tensors only "
-                                f"(as DeepSpeed's does); {name} is {t.dtype}")
+        if exp_avg.dtype != exp_avg_sq.dtype or exp_avg.dtype not in (torch.float32, params.dtype):
+            raise TypeError(f"mps_fused_adam.deepspeed: adam_rollback: exp_avg is {exp_avg.dtype} and exp_avg_sq "
+                            f"{exp_avg_sq.dtype} with params {params.dtype}; states must share one dtype, "
+                            f"float32 or the param's")
         step = int(step)
         if step < 1:
             raise ValueError(f"mps_fused_adam.deepspeed: adam_rollback needs the step to undo (>= 1), got {step}")
@@ -238,32 +259,114 @@ class CPUAdamOp:
         k = adam_scalars(AdamHyper(lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(epsilon),
                                    weight_decay=float(weight_decay), step=step, adam_w_mode=cfg["adamw_mode"],
                                    bias_correction=bool(bias_correction)))
-
-        def f32(x: float, like: torch.Tensor) -> torch.Tensor:
-            # A full tensor: torch may turn division by a scalar into a multiplication by its
-            # reciprocal, which rounds differently from a true per-element division.
-            return torch.full(like.shape, x, dtype=torch.float32)
-
         with torch.no_grad():
             p = params.detach()
-            m, v = exp_avg, exp_avg_sq
-            g = grads.detach()
-            # torch's fp32 sqrt on CPU is not always correctly rounded (Sleef, measured with torch
-            # 2.13); C++'s std::sqrt is. sqrt in double, rounded once to fp32, is exact.
-            denom = torch.sqrt(v.double()).float() * f32(k.d2, v) + f32(k.eps, v)
-            new_p = p + f32(k.step_size, p) * (m / denom)
-            if k.adam_w_mode:
-                new_p = new_p / f32(k.decay, p)
-            else:
-                g = g + f32(k.weight_decay, p) * new_p  # the L2 step fed g + wd * p_previous into the moments
-            new_p = torch.where(torch.isfinite(new_p), new_p, torch.zeros_like(new_p))
-            new_m = (m - f32(k.one_minus_beta1, m) * g) / f32(k.beta1, m)
-            new_v = (v - f32(k.one_minus_beta2, v) * (g * g)) / f32(k.beta2, v)
+            # The step read the grad rounded to the param dtype (see _update); so must its inverse.
+            g = grads.detach().to(p.dtype)
+            low_precision = any(t.dtype != torch.float32 for t in (p, exp_avg, exp_avg_sq))
+            # Upcast (exact), the fp32 inverse, round to storage: all results exist before any
+            # tensor is written, so nothing is half-updated if anything above raised.
+            new_p, new_m, new_v = _rollback_fp32(p.float(), g.float(), exp_avg.float(), exp_avg_sq.float(), k)
+            if low_precision:
+                new_v = new_v.clamp_min(0.0)
             p.copy_(new_p)
-            m.copy_(new_m)
-            v.copy_(new_v)
+            exp_avg.copy_(new_m)
+            exp_avg_sq.copy_(new_v)
         _count("adam_rollback", "torch")
         return 0
+
+
+    # --- ZenFlow's native cross-process API (DeepSpeed 0.19.8; see .zenflow) -------------------
+
+    def zenflow_adam_create(self, optimizer_id: int, zf_affinity: Sequence[int]) -> int:
+        """A ZenFlow optimizer on ``create_adam`` id ``optimizer_id`` whose pool is pinned to the
+        cores ``zf_affinity`` (Linux); returns its handle."""
+        from .zenflow import ZenFlowAdam
+        zf = ZenFlowAdam(self, optimizer_id, zf_affinity)
+        with self._lock:
+            handle = self._next_zenflow
+            self._next_zenflow += 1
+            self._zenflow[handle] = zf
+        return handle
+
+    def _zenflow_handle(self, handle: int):
+        with self._lock:
+            zf = self._zenflow.get(int(handle))
+        if zf is None:
+            raise KeyError(f"mps_fused_adam.deepspeed: no ZenFlow optimizer with handle {handle}; "
+                           f"zenflow_adam_create returns the handles")
+        return zf
+
+    def zenflow_adam_register_group(self, handle: int, param: torch.Tensor, grad0: torch.Tensor, grad1: torch.Tensor,
+                                    exp_avg0: torch.Tensor, exp_avg1: torch.Tensor, exp_avg_sq0: torch.Tensor,
+                                    exp_avg_sq1: torch.Tensor, stale: torch.Tensor | None) -> None:
+        """Add one param group: the param, its two gradient buffers and two state pairs (``now_state``
+        of a submitted step picks one of each), and ``stale``, which receives the updated param."""
+        self._zenflow_handle(handle).register_group(param, grad0, grad1, exp_avg0, exp_avg1, exp_avg_sq0,
+                                                    exp_avg_sq1, stale)
+
+    def zenflow_adam_destroy(self, handle: int) -> None:
+        """Forget a ZenFlow optimizer (unknown handles are ignored, as in DeepSpeed)."""
+        with self._lock:
+            self._zenflow.pop(int(handle), None)
+
+    def zenflow_adam_run_worker(self, handle: int, control_ptr: int) -> None:
+        """Optimizer process: run submitted steps until ``zenflow_adam_ctrl_exit`` (Linux only)."""
+        self._zenflow_handle(handle).run_worker(control_ptr)
+
+    @staticmethod
+    def zenflow_adam_ctrl_size() -> int:
+        """Bytes of the shared control block (Linux only)."""
+        from . import zenflow
+        return zenflow.ctrl_size()
+
+    @staticmethod
+    def zenflow_adam_ctrl_init(control_ptr: int, num_groups: int) -> None:
+        """Set up the control block at ``control_ptr`` for ``num_groups`` groups (at most 1024; Linux only)."""
+        from . import zenflow
+        zenflow.ctrl_init(control_ptr, num_groups)
+
+    @staticmethod
+    def zenflow_adam_submit(control_ptr: int, now_state: int, step: int, lr: Sequence[float], beta1: Sequence[float],
+                            beta2: Sequence[float], eps: Sequence[float], weight_decay: Sequence[float],
+                            bias_correction: Sequence[int]) -> None:
+        """Hand step ``step`` (per-group hyperparameters, buffer ``now_state``) to the optimizer process."""
+        from . import zenflow
+        zenflow.submit(control_ptr, now_state, step, lr, beta1, beta2, eps, weight_decay, bias_correction)
+
+    @staticmethod
+    def zenflow_adam_wait(control_ptr: int, timeout_s: float) -> bool:
+        """Consume one completion, waiting up to ``timeout_s`` seconds; ``False`` on time-out."""
+        from . import zenflow
+        return zenflow.wait(control_ptr, timeout_s)
+
+    @staticmethod
+    def zenflow_adam_ctrl_exit(control_ptr: int) -> None:
+        """Make the optimizer process's ``zenflow_adam_run_worker`` return."""
+        from . import zenflow
+        zenflow.ctrl_exit(control_ptr)
+
+def _rollback_fp32(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k) -> Tuple[torch.Tensor, ...]:
+    """The fp32 inverse of one step (see ``CPUAdamOp.adam_rollback``): new (param, exp_avg,
+    exp_avg_sq) from fp32 tensors and the step's ``contract.adam_scalars``; inputs unchanged."""
+
+    def f32(x: float, like: torch.Tensor) -> torch.Tensor:
+        # A full tensor: torch may turn division by a scalar into a multiplication by its
+        # reciprocal, which rounds differently from a true per-element division.
+        return torch.full(like.shape, x, dtype=torch.float32)
+
+    # torch's fp32 sqrt on CPU is not always correctly rounded (Sleef, measured with torch
+    # 2.13); C++'s std::sqrt is. sqrt in double, rounded once to fp32, is exact.
+    denom = torch.sqrt(v.double()).float() * f32(k.d2, v) + f32(k.eps, v)
+    new_p = p + f32(k.step_size, p) * (m / denom)
+    if k.adam_w_mode:
+        new_p = new_p / f32(k.decay, p)
+    else:
+        g = g + f32(k.weight_decay, p) * new_p  # the L2 step fed g + wd * p_previous into the moments
+    new_p = torch.where(torch.isfinite(new_p), new_p, torch.zeros_like(new_p))
+    new_m = (m - f32(k.one_minus_beta1, m) * g) / f32(k.beta1, m)
+    new_v = (v - f32(k.one_minus_beta2, v) * (g * g)) / f32(k.beta2, v)
+    return new_p, new_m, new_v
 
 
 FUSED_ADAM_OP = FusedAdamOp()

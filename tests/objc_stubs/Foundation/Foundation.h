@@ -1,5 +1,7 @@
 // Syntax-check stand-in for Apple's Foundation: only the declarations src/metal/metal_adam.mm
 // uses, spelled as in Apple's documentation. Lets clang parse the .mm on Linux; checks no behaviour.
+// tests/test_apple_artifacts.py checks every declaration here and in Metal/, mach-o/ against
+// pyobjc's macOS metadata (names, argument counts, type encodings) and that the .mm uses it.
 #pragma once
 #include <stddef.h>
 typedef unsigned long NSUInteger;

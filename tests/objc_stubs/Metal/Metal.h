@@ -31,6 +31,6 @@ static inline MTLSize MTLSizeMake(NSUInteger width, NSUInteger height, NSUIntege
 - (void)endEncoding;
 @end
 @protocol MTLCommandBuffer <NSObject>
+@property(readonly) id<MTLDevice> device;
 - (id<MTLComputeCommandEncoder>)computeCommandEncoder;
 @end
-extern "C" id<MTLDevice> MTLCreateSystemDefaultDevice(void);

@@ -1,0 +1,116 @@
+"""Benchmark of the one-state rules: ``python -m mps_fused_adam.bench_rules [--quick] [--threads N ...]``.
+
+Lion and Adagrad move param, grad and one state per element (3 reads, 2 in-place writes). Each
+case times, interleaved (timing.py): ours (the optimizer classes ``Lion``/``Adagrad``, or with fp32
+states of bf16 params, which only DeepSpeed's CPU ops ask for, one backend call as those ops make),
+the memory floor of that access pattern (the kernel's own span loop and thread pool with trivial
+math: rule ``floor1``), and torch's ``Adagrad`` (``foreach`` and ``fused``) and lion_pytorch's
+``Lion`` where installed. Only ratios within one run mean anything on a shared machine.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable, Optional
+
+import torch
+
+from . import Adagrad, Lion, backend_info
+from .backends import _DTYPE_CODES, get_backend
+from .bench import DTYPE_CASES, HEADER, Row, _params, _print_rows
+from .contract import RULES, AdagradHyper, LionHyper
+from .timing import bytes_per_elem, interleaved
+
+HYPER = {"lion": LionHyper(lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.01),
+         "adagrad": AdagradHyper(lr=1e-2, eps=1e-10, weight_decay=0.0, step=1)}
+
+
+def _floor1(params, pdtype, sdtype) -> Callable[[], None]:
+    """The memory floor on tensors of its own, the size and dtypes of the case's: its trivial math
+    (s = s + g, ...) would otherwise leave negative sums of squares, and so NaN, in the tensors the
+    real optimizers share (as bench._floor_fn does for Adam)."""
+    from . import _cpu
+    own = [(p.detach().clone(), p.grad.clone(), torch.zeros_like(p, dtype=sdtype)) for p in params]
+    ptrs = ([t[0].data_ptr() for t in own], [t[1].data_ptr() for t in own], [[t[2].data_ptr() for t in own]],
+            [t[0].numel() for t in own])
+    blob = RULES["lion"].pack(HYPER["lion"])  # floor1 takes Lion's struct and ignores it
+    return lambda: (own, _cpu.step("floor1", *ptrs, _DTYPE_CODES[pdtype], _DTYPE_CODES[sdtype], blob,
+                                   torch.get_num_threads()))[1]
+
+
+def _contenders(rule: str, params, pdtype, sdtype) -> dict[str, Callable[[], None]]:
+    found: dict[str, Callable[[], None]] = {}
+    if sdtype == pdtype:
+        ours = Lion(params, lr=1e-4, weight_decay=0.01) if rule == "lion" else Adagrad(params)
+        ours.step()  # creates the state
+        found["ours"] = ours.step
+    else:
+        states = [torch.zeros_like(p, dtype=sdtype) for p in params]
+        backend, grads = get_backend("cpu"), [p.grad for p in params]
+        found["ours"] = lambda: backend.update(rule, params, grads, [states], HYPER[rule])
+    found["floor"] = _floor1(params, pdtype, sdtype)
+    if sdtype == pdtype and rule == "adagrad":
+        found["torch foreach"] = torch.optim.Adagrad(params, foreach=True).step
+        try:
+            fused = torch.optim.Adagrad(params, fused=True)
+            fused.step()
+            found["torch fused"] = fused.step
+        except Exception as exc:  # a torch without a CPU fused Adagrad: report and go on
+            print(f"  (torch fused Adagrad unavailable: {exc!r})")
+    if sdtype == pdtype and rule == "lion":
+        try:
+            import lion_pytorch
+            found["lion_pytorch"] = lion_pytorch.Lion(params, lr=1e-4, weight_decay=0.01).step
+        except ImportError:
+            pass
+    return found
+
+
+def rules_section(rules: list[str], flat: int, many: tuple[int, int], thread_counts: list[int],
+                  repeats: int) -> list[Row]:
+    rows: list[Row] = []
+    shapes = [(f"flat {flat / 2**20:g}M", 1, flat), (f"{many[0]} x {many[1] // 1024}K", many[0], many[1])]
+    start_threads = torch.get_num_threads()
+    try:
+        for rule in rules:
+            for label, pd, sd in DTYPE_CASES:
+                for case, count, size in shapes:
+                    params = _params(count, size, pd)
+                    contenders = _contenders(rule, params, pd, sd)
+                    numel = count * size
+                    for threads in thread_counts:
+                        torch.set_num_threads(threads)
+                        t = interleaved(contenders, repeats)
+                        for name, secs in t.items():
+                            rows.append(Row(f"{rule} {case}", label, threads, name, secs / numel * 1e9,
+                                            bytes_per_elem(pd, sd, states=1) * numel / secs / 1e9,
+                                            t["floor"] / secs, None))
+                        _print_rows(rows[-len(t):])
+                    del contenders, params
+    finally:
+        torch.set_num_threads(start_threads)
+    return rows
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes, few repeats")
+    ap.add_argument("--rules", nargs="*", default=["lion", "adagrad"], choices=["lion", "adagrad"])
+    ap.add_argument("--threads", type=int, nargs="*", help="thread counts (default: 1 and all)")
+    ap.add_argument("--repeats", type=int, help="interleaved rounds per case")
+    args = ap.parse_args(argv)
+    all_threads = os.cpu_count() or 1
+    threads = args.threads or sorted({1, all_threads})
+    info = backend_info()["cpu"]
+    print(f"CPU backend: {info['backend']} ({info.get('simd', '-')}), torch {torch.__version__}, {all_threads} CPUs; "
+          f"load average {os.getloadavg()[0]:.1f} at start")
+    print(HEADER)
+    print("|---|---|---|---|---|---|---|---|")
+    flat, many, repeats = (8 * 2**20, (128, 65536), 3) if args.quick else (64 * 2**20, (1000, 65536), 7)
+    rules_section(args.rules, flat, many, threads, args.repeats or repeats)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,325 @@
+// The per-step checks of the optimizer's cached step plans (python/mps_fused_adam/step_plan.py).
+//
+// A plan remembers, for every parameter of a group, what its step looked like when the full
+// validation last passed: the param object and its dtype, shape, device and address; its state
+// dict, state tensors (Adam's moments) and their addresses; its step count. Each later step only has to prove
+// that nothing of that changed and that the new grads fit. The checks read the tensors through
+// their ordinary Python attributes (grad, dtype, shape, layout, device, is_contiguous(),
+// data_ptr()), called from this loop instead of the interpreter's: the module still never touches
+// torch's C++ ABI, and a getter that raises only means "not the planned case" (the caller then
+// runs the full validation, which names the parameter and the problem).
+#include <Python.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace nb = nanobind;
+
+namespace {
+
+// One attribute (a property such as `dtype`, or a method without arguments such as `data_ptr`)
+// read the way the interpreter would, minus its lookup: per tensor type, the type's descriptor is
+// found once and its C function called directly. A type whose descriptor is of another kind (a
+// Python-level override) goes through the ordinary, generic call.
+class Accessor {
+ public:
+  Accessor(const char* name, bool method) : name_(PyUnicode_InternFromString(name)), method_(method) {}
+
+  PyObject* name() const { return name_; }
+
+  // A new reference, or null with a Python error set.
+  PyObject* operator()(PyObject* obj) {
+    PyTypeObject* tp = Py_TYPE(obj);
+    for (int i = 0; i < count_; ++i)
+      if (types_[i] == tp) return method_ ? meth_[i](obj, nullptr) : get_[i](obj, closure_[i]);
+    if (count_ < kTypes) learn(tp);
+    for (int i = 0; i < count_; ++i)
+      if (types_[i] == tp) return method_ ? meth_[i](obj, nullptr) : get_[i](obj, closure_[i]);
+    return method_ ? PyObject_CallMethodNoArgs(obj, name_) : PyObject_GetAttr(obj, name_);
+  }
+
+ private:
+  static constexpr int kTypes = 4;
+
+  void learn(PyTypeObject* tp) {
+    // A type's attribute lookup hands back the descriptor itself (public API, no private lookup).
+    PyObject* d = PyObject_GetAttr(reinterpret_cast<PyObject*>(tp), name_);
+    if (d == nullptr) { PyErr_Clear(); return; }
+    if (!method_ && Py_IS_TYPE(d, &PyGetSetDescr_Type)) {
+      PyGetSetDef* def = reinterpret_cast<PyGetSetDescrObject*>(d)->d_getset;
+      if (def->get != nullptr) { get_[count_] = def->get; closure_[count_] = def->closure; add(tp); }
+    } else if (method_ && Py_IS_TYPE(d, &PyMethodDescr_Type)) {
+      PyMethodDef* def = reinterpret_cast<PyMethodDescrObject*>(d)->d_method;
+      if ((def->ml_flags & ~METH_COEXIST) == METH_NOARGS) { meth_[count_] = def->ml_meth; add(tp); }
+    }
+    Py_DECREF(d);
+  }
+
+  void add(PyTypeObject* tp) {
+    Py_INCREF(tp);  // kept alive: its address must not come back as another type
+    types_[count_++] = tp;
+  }
+
+  PyObject* name_;
+  bool method_;
+  int count_ = 0;
+  PyTypeObject* types_[kTypes] = {};
+  getter get_[kTypes] = {};
+  void* closure_[kTypes] = {};
+  PyCFunction meth_[kTypes] = {};
+};
+
+struct Names {
+  Accessor grad{"grad", false}, dtype{"dtype", false}, shape{"shape", false}, is_cpu{"is_cpu", false},
+      is_mps{"is_mps", false}, device{"device", false}, data_ptr{"data_ptr", true},
+      is_contiguous{"is_contiguous", true}, numel{"numel", true};
+  PyObject* step = PyUnicode_InternFromString("step");
+};
+
+// Used with the GIL held only, like everything here.
+Names& names() {
+  static Names* n = new Names();  // never destroyed: it holds Python objects past interpreter exit
+  return *n;
+}
+
+// A strong reference that survives copies of the owning vectors.
+class Ref {
+ public:
+  Ref() = default;
+  explicit Ref(PyObject* o) : o_(o) { Py_XINCREF(o_); }
+  Ref(const Ref& r) : o_(r.o_) { Py_XINCREF(o_); }
+  Ref& operator=(Ref r) { std::swap(o_, r.o_); return *this; }
+  ~Ref() { Py_XDECREF(o_); }
+  PyObject* get() const { return o_; }
+
+ private:
+  PyObject* o_ = nullptr;
+};
+
+// Every helper returns false on a mismatch or on any Python error (which it clears).
+bool attr_is(PyObject* obj, Accessor& a, PyObject* expected) {
+  PyObject* r = a(obj);
+  if (r == nullptr) { PyErr_Clear(); return false; }
+  bool same = r == expected;
+  Py_DECREF(r);
+  return same;
+}
+
+bool attr_eq(PyObject* obj, Accessor& a, PyObject* expected) {
+  PyObject* r = a(obj);
+  if (r == nullptr) { PyErr_Clear(); return false; }
+  int eq = r == expected ? 1 : PyObject_RichCompareBool(r, expected, Py_EQ);
+  Py_DECREF(r);
+  if (eq < 0) { PyErr_Clear(); return false; }
+  return eq == 1;
+}
+
+bool attr_u64(PyObject* obj, Accessor& a, uint64_t* out) {
+  PyObject* r = a(obj);
+  if (r == nullptr) { PyErr_Clear(); return false; }
+  if (!PyLong_Check(r)) { Py_DECREF(r); return false; }
+  unsigned long long v = PyLong_AsUnsignedLongLong(r);
+  Py_DECREF(r);
+  if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) { PyErr_Clear(); return false; }
+  *out = v;
+  return true;
+}
+
+uint64_t to_u64(nb::handle h) { return nb::cast<uint64_t>(h); }
+
+// One group's plan. Entries are in the order of the kernel calls they feed.
+class GroupPlan {
+ public:
+  // params: the group's param list. state_names: the update rule's state keys (contract.RULES),
+  // in kernel order. active: tuples (index, param, dtype, shape, device, param address, state
+  // dict, state tensors, their addresses, step), the tensors and addresses as tuples in the order
+  // of state_names. idle: indices of the params the step skipped: those without a grad, and
+  // (index, True) for empty params without state, which are skipped whatever their grad.
+  GroupPlan(nb::list params, nb::list state_names, nb::list active, nb::list idle) {
+    size_ = PyList_GET_SIZE(params.ptr());
+    for (nb::handle name : state_names) {
+      PyObject* key = name.ptr();
+      if (!PyUnicode_Check(key)) throw std::invalid_argument("GroupPlan: state names are strings");
+      Py_INCREF(key);
+      PyUnicode_InternInPlace(&key);
+      keys_.push_back(Ref(key));
+      Py_DECREF(key);
+    }
+    const size_t k = keys_.size();
+    for (nb::handle t : active) {
+      nb::tuple e = nb::borrow<nb::tuple>(t);
+      if (e.size() != 10) throw std::invalid_argument("GroupPlan: an active entry has 10 fields");
+      Entry x;
+      x.index = nb::cast<Py_ssize_t>(e[0]);
+      x.p = Ref(e[1].ptr()); x.dtype = Ref(e[2].ptr()); x.shape = Ref(e[3].ptr()); x.device = Ref(e[4].ptr());
+      x.pptr = to_u64(e[5]);
+      x.st = Ref(e[6].ptr());
+      nb::tuple tensors = nb::borrow<nb::tuple>(e[7]), addrs = nb::borrow<nb::tuple>(e[8]);
+      if (tensors.size() != k || addrs.size() != k)
+        throw std::invalid_argument("GroupPlan: an entry has one tensor and one address per state");
+      for (size_t j = 0; j < k; ++j) {
+        states_.push_back(Ref(tensors[j].ptr()));
+        state_addrs_.push_back(to_u64(addrs[j]));
+      }
+      x.step = Ref(e[9].ptr());
+      // The device test: a bool property where there is one (no torch.device object to build).
+      std::string type = nb::cast<std::string>(nb::getattr(e[4], "type"));
+      x.on = type == "cpu" ? &names().is_cpu : type == "mps" ? &names().is_mps : nullptr;
+      if (x.index < 0 || x.index >= size_ || PyList_GET_ITEM(params.ptr(), x.index) != x.p.get())
+        throw std::invalid_argument("GroupPlan: an entry's index does not point at its param");
+      if (!PyDict_Check(x.st.get())) throw std::invalid_argument("GroupPlan: a state is not a dict");
+      entries_.push_back(std::move(x));
+    }
+    for (nb::handle t : idle) {
+      bool empty = nb::isinstance<nb::tuple>(t);
+      Py_ssize_t i = nb::cast<Py_ssize_t>(empty ? nb::borrow<nb::tuple>(t)[0] : t);
+      if (i < 0 || i >= size_) throw std::invalid_argument("GroupPlan: idle index out of range");
+      idle_.push_back(Idle{i, Ref(PyList_GET_ITEM(params.ptr(), i)), empty});
+    }
+  }
+
+  // True when the plan still describes `params` and every planned param has a grad that fits;
+  // then `grads` and `grad_addresses` hold those grads and their addresses, in entry order.
+  // Writes nothing else, so a false answer leaves everything as it was.
+  bool check(nb::list params, nb::list grads, nb::list grad_addresses) const {
+    Names& n = names();
+    PyObject* plist = params.ptr();
+    if (PyList_GET_SIZE(plist) != size_) return false;
+    for (const Idle& x : idle_) {
+      PyObject* p = x.p.get();
+      if (PyList_GET_ITEM(plist, x.index) != p) return false;
+      if (x.empty) {  // skipped while it stays empty (and without state: the state snapshot says so)
+        uint64_t numel;
+        if (!attr_u64(p, n.numel, &numel) || numel != 0) return false;
+        continue;
+      }
+      PyObject* g = n.grad(p);
+      if (g == nullptr) { PyErr_Clear(); return false; }
+      bool none = g == Py_None;
+      Py_DECREF(g);
+      if (!none) return false;  // a grad appeared: a new kind of step, re-plan
+    }
+    const size_t k = keys_.size();
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      const Entry& e = entries_[i];
+      PyObject* p = e.p.get();
+      if (PyList_GET_ITEM(plist, e.index) != p) return false;
+      uint64_t addr;
+      // The param: nothing that validation looked at may have moved (.data assignment, resize).
+      if (!attr_u64(p, n.data_ptr, &addr) || addr != e.pptr) return false;
+      if (!attr_is(p, n.dtype, e.dtype.get()) || !attr_eq(p, n.shape, e.shape.get()) ||
+          !attr_is(p, n.is_contiguous, Py_True))
+        return false;
+      // The grad: a new tensor every step, so every property the kernel relies on is read anew.
+      PyObject* g = n.grad(p);
+      if (g == nullptr) { PyErr_Clear(); return false; }
+      // No layout test: data_ptr() raises for sparse and mkldnn tensors (and is_contiguous() is
+      // false for sparse COO ones).
+      bool ok = g != Py_None && attr_is(g, n.dtype, e.dtype.get()) &&
+                (e.on != nullptr ? attr_is(g, *e.on, Py_True) : attr_eq(g, n.device, e.device.get())) &&
+                attr_eq(g, n.shape, e.shape.get()) && attr_is(g, n.is_contiguous, Py_True) &&
+                attr_u64(g, n.data_ptr, &addr);
+      if (ok) {
+        PyObject* a = PyLong_FromUnsignedLongLong(addr);
+        ok = a != nullptr && PyList_Append(grads.ptr(), g) == 0 && PyList_Append(grad_addresses.ptr(), a) == 0;
+        Py_XDECREF(a);
+        if (!ok) PyErr_Clear();
+      }
+      Py_DECREF(g);
+      if (!ok) return false;
+      // The state: the same dict entries, the same tensors at the same addresses, the planned step.
+      PyObject* st = e.st.get();
+      for (size_t j = 0; j < k; ++j) {
+        PyObject* t = PyDict_GetItemWithError(st, keys_[j].get());  // borrowed
+        if (t != states_[i * k + j].get()) { PyErr_Clear(); return false; }
+        if (!attr_u64(t, n.data_ptr, &addr) || addr != state_addrs_[i * k + j]) return false;
+      }
+      PyObject* s = PyDict_GetItemWithError(st, n.step);
+      if (s == nullptr) { PyErr_Clear(); return false; }
+      int same_step = s == e.step.get() ? 1 : PyObject_RichCompareBool(s, e.step.get(), Py_EQ);
+      if (same_step != 1) { PyErr_Clear(); return false; }
+    }
+    return true;
+  }
+
+  // Entries [begin, end) took a step: record `step` in their state dicts and in the plan.
+  void set_steps(size_t begin, size_t end, nb::handle step) {
+    if (begin > end || end > entries_.size()) throw std::out_of_range("GroupPlan.set_steps: bad range");
+    Names& n = names();
+    for (size_t i = begin; i < end; ++i) {
+      if (PyDict_SetItem(entries_[i].st.get(), n.step, step.ptr()) != 0) throw nb::python_error();
+      entries_[i].step = Ref(step.ptr());
+    }
+  }
+
+  size_t size() const { return entries_.size(); }
+
+ private:
+  struct Entry {
+    Py_ssize_t index = 0;
+    Ref p, dtype, shape, device, st, step;
+    Accessor* on = nullptr;  // is_cpu or is_mps, or null: compare devices
+    uint64_t pptr = 0;
+  };
+  Py_ssize_t size_ = 0;
+  std::vector<Ref> keys_;             // the rule's state names
+  std::vector<Entry> entries_;
+  std::vector<Ref> states_;           // entry i's state tensors at [i * keys_.size(), ...)
+  std::vector<uint64_t> state_addrs_;  // and their addresses
+  struct Idle {
+    Py_ssize_t index;
+    Ref p;
+    bool empty;
+  };
+  std::vector<Idle> idle_;
+};
+
+// The optimizer's whole `state` dict as it was when the plans were made: its keys and values in
+// order. Comparing them walks the dict without hashing a tensor (torch's Tensor.__hash__ runs in
+// Python), and notices any param's state dict being replaced, added or removed.
+class DictSnapshot {
+ public:
+  explicit DictSnapshot(nb::dict d) : dict_(d.ptr()) {
+    PyObject *k, *v;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(d.ptr(), &pos, &k, &v)) items_.emplace_back(Ref(k), Ref(v));
+  }
+
+  bool unchanged(nb::handle d) const {
+    if (d.ptr() != dict_.get() || !PyDict_Check(d.ptr()) || PyDict_GET_SIZE(d.ptr()) != (Py_ssize_t)items_.size())
+      return false;
+    PyObject *k, *v;
+    Py_ssize_t pos = 0;
+    size_t i = 0;
+    while (PyDict_Next(d.ptr(), &pos, &k, &v)) {
+      if (i >= items_.size() || items_[i].first.get() != k || items_[i].second.get() != v) return false;
+      ++i;
+    }
+    return i == items_.size();
+  }
+
+ private:
+  Ref dict_;
+  std::vector<std::pair<Ref, Ref>> items_;
+};
+
+}  // namespace
+
+void register_step_plan(nb::module_& m) {
+  nb::class_<GroupPlan>(m, "GroupPlan", "One param group's cached step plan (see step_plan.py).")
+      .def(nb::init<nb::list, nb::list, nb::list, nb::list>(), nb::arg("params"), nb::arg("state_names"),
+           nb::arg("active"), nb::arg("idle"))
+      .def("check", &GroupPlan::check, nb::arg("params"), nb::arg("grads"), nb::arg("grad_addresses"),
+           "True when nothing planned changed; fills grads and grad_addresses in entry order.")
+      .def("set_steps", &GroupPlan::set_steps, nb::arg("begin"), nb::arg("end"), nb::arg("step"),
+           "Write `step` into the state dicts of entries [begin, end).")
+      .def("__len__", &GroupPlan::size);
+  nb::class_<DictSnapshot>(m, "DictSnapshot", "A dict's keys and values by identity, in order.")
+      .def(nb::init<nb::dict>(), nb::arg("d"))
+      .def("unchanged", &DictSnapshot::unchanged, nb::arg("d"),
+           "True when `d` is the same dict holding the same keys and values (by identity), in order.");
+}

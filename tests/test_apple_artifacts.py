@@ -1,0 +1,269 @@
+"""The Metal path against the real macOS artifacts that reach Linux (ci/apple_artifacts.py).
+
+The torch macOS arm64 wheel (2.13.0; others with MFA_ARTIFACT_TORCH="2.8.0 2.9.0 ...") and the
+pyobjc Metal/Foundation/libdispatch wheels are downloaded once into a cache (never installed) and
+read with llvm-nm-19 / llvm-objdump-19 and clang. Without network or tools these tests skip with
+the reason, and fail where MFA_REQUIRE_TOOLS=1 (CI). Each check is also run on a doctored copy of
+its input, to show that it finds exactly what was removed or changed.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import cannot_run, require_tool
+from mps_fused_adam import mps_backends
+from mps_fused_adam.mps_backends import TIER1_MIN_TORCH
+
+REPO = Path(__file__).resolve().parents[1]
+CHECKER = REPO / "ci" / "apple_artifacts.py"
+if not CHECKER.is_file():
+    pytest.skip("needs ci/apple_artifacts.py (copied by cibuildwheel's test-sources and present in a checkout)",
+                allow_module_level=True)
+_spec = importlib.util.spec_from_file_location("apple_artifacts", CHECKER)
+aa = importlib.util.module_from_spec(_spec)
+sys.modules["apple_artifacts"] = aa
+_spec.loader.exec_module(aa)
+
+pytestmark = pytest.mark.skipif(not aa.MM.is_file(), reason="needs the source tree (src/, ci/)")
+
+TORCH_VERSIONS = os.environ.get("MFA_ARTIFACT_TORCH", aa.TORCH_CI).split()
+MM_TEXT = aa.MM.read_text() if aa.MM.is_file() else ""
+
+
+def _fetch(fn, *args):
+    try:
+        return fn(*args)
+    except aa.Unavailable as exc:
+        cannot_run(str(exc))
+
+
+class TorchWheel:
+    """One torch release's artifacts, each tool run once."""
+
+    def __init__(self, version: str) -> None:
+        require_tool("llvm-nm-19", "llvm-objdump-19")
+        self.version = version
+        self.wheel = _fetch(aa.download_wheel, f"torch=={version}")
+        self.dylib = str(aa.extract(self.wheel, aa.LIBTORCH))
+        self.nm = aa.run_tool("llvm-nm", "--extern-only", "--defined-only", self.dylib)
+        self.dylib_id = aa.run_tool("llvm-objdump", "--macho", "--dylib-id", self.dylib).splitlines()[-1].strip()
+        self.mps_init = aa.extract(self.wheel, aa.MPS_INIT).read_text(encoding="utf-8")
+        self.get_command_buffer = aa.run_tool("llvm-objdump", "-d", "--no-show-raw-insn",
+                                              f"--disassemble-symbols={aa.GET_COMMAND_BUFFER}", self.dylib)
+
+
+_wheels: dict[str, TorchWheel] = {}
+
+
+@pytest.fixture(scope="module", params=TORCH_VERSIONS)
+def torch_wheel(request) -> TorchWheel:
+    if request.param not in _wheels:
+        _wheels[request.param] = TorchWheel(request.param)
+    return _wheels[request.param]
+
+
+@pytest.fixture(scope="module")
+def ci_wheel() -> TorchWheel:
+    if aa.TORCH_CI not in _wheels:
+        _wheels[aa.TORCH_CI] = TorchWheel(aa.TORCH_CI)
+    return _wheels[aa.TORCH_CI]
+
+
+# ----------------------------------------------------------------------------- torch wheel
+
+def test_libtorch_exports_the_names_metal_looks_up(torch_wheel):
+    names = aa.mm_torch_symbols(MM_TEXT)
+    assert names == ["_ZN5torch3mps18get_command_bufferEv", "_ZN5torch3mps18get_dispatch_queueEv",
+                     "_ZN5torch3mps6commitEv"]
+    assert aa.check_exports(torch_wheel.nm, names) == []
+    # Doctored: each symbol removed in turn, or its signature changed, is reported by name.
+    for name in names:
+        doctored = "\n".join(l for l in torch_wheel.nm.splitlines() if not l.endswith(" _" + name))
+        assert aa.check_exports(doctored, names) == [
+            f"libtorch_cpu.dylib does not export {name} (dlsym name {name}; Mach-O symbol _{name})"]
+    renamed = torch_wheel.nm.replace("_ZN5torch3mps6commitEv", "_ZN5torch3mps6commitEb")
+    assert len(aa.check_exports(renamed, names)) == 1
+    # An undefined reference is not an export.
+    undefined = re.sub(r"\S+ T (__ZN5torch3mps6commitEv)", r"U \1", torch_wheel.nm)
+    assert len(aa.check_exports(undefined, names)) == 1
+
+
+def test_libtorch_image_name_is_what_metal_searches_for(torch_wheel):
+    suffix = aa.mm_image_suffix(MM_TEXT)
+    assert suffix == "/libtorch_cpu.dylib"
+    assert torch_wheel.dylib_id == "@rpath/libtorch_cpu.dylib"
+    assert aa.check_image_name(torch_wheel.dylib_id, suffix) == []
+    assert aa.check_image_name("@rpath/libtorch_cpu.2.13.dylib", suffix) != []
+    assert aa.check_image_name("@rpath/libtorch.dylib", suffix) != []
+
+
+def test_torch_mps_python_api_is_what_tiers_2_and_3_call(torch_wheel):
+    need = torch_wheel.version == aa.TORCH_CI
+    problems, have = aa.check_mps_api(torch_wheel.mps_init, need_load_metallib=need)
+    assert problems == []
+    assert have["compile_shader"]
+    if need:
+        assert have["load_metallib"]
+    # Doctored copies of the wheel's file.
+    text = torch_wheel.mps_init
+    renamed = text.replace("def compile_shader(", "def compile_shaders(")
+    assert aa.check_mps_api(renamed, need)[0] == ["torch/mps/__init__.py has no compile_shader()"]
+    extra = text.replace("def compile_shader(source: str)", "def compile_shader(source: str, options)")
+    assert aa.check_mps_api(extra, need)[0] == [
+        "torch.mps.compile_shader takes ['source', 'options'], mps_backends.py passes one positional argument"]
+    if have["load_metallib"]:
+        no_paths = text.replace("os.PathLike", "bytes")
+        assert aa.check_mps_api(no_paths, need)[0] == [
+            "torch.mps.load_metallib does not accept an os.PathLike (mps_backends.py passes a Path)"]
+        gone = text.replace("def load_metallib(", "def _load_metallib(")
+        assert aa.check_mps_api(gone, need_load_metallib=True)[0] == ["torch/mps/__init__.py has no load_metallib()"]
+
+
+def test_tier1_gate_agrees_with_get_command_buffer(torch_wheel):
+    disasm = torch_wheel.get_command_buffer
+    admitted = tuple(map(int, torch_wheel.version.split(".")[:2])) >= TIER1_MIN_TORCH
+    assert aa.coalesces_before_command_buffer(disasm) == admitted
+    assert aa.check_gate(torch_wheel.version, disasm, TIER1_MIN_TORCH) == []
+    # The command-line checker reads the gate from the source text the same way.
+    assert aa.tier1_min_torch(Path(mps_backends.__file__).read_text()) == TIER1_MIN_TORCH
+    if admitted:
+        # Doctored: without the endKernelCoalescing call (as in torch 2.8.0) the gate is wrong.
+        doctored = "\n".join(l for l in disasm.splitlines() if "endKernelCoalescing" not in l)
+        assert len(aa.check_gate(torch_wheel.version, doctored, TIER1_MIN_TORCH)) == 1
+        # A gate above this release would leave a safe release out.
+        too_high = (int(torch_wheel.version.split(".")[0]), int(torch_wheel.version.split(".")[1]) + 1)
+        assert len(aa.check_gate(torch_wheel.version, disasm, too_high)) == 1
+
+
+# Disassemblies of at::mps::MPSHooks::getCommandBuffer from the macOS arm64 wheels (llvm-objdump-19
+# -d --no-show-raw-insn), kept here so the gate's boundary is tested without two more downloads.
+GET_COMMAND_BUFFER_2_8_0 = """
+00000000051d3d64 <__ZNK2at3mps8MPSHooks16getCommandBufferEv>:
+ 51d3d64:      	stp	x29, x30, [sp, #-0x10]!
+ 51d3d68:      	mov	x29, sp
+ 51d3d6c:      	bl	0x51e1444 <__ZN2at3mps19getDefaultMPSStreamEv>
+ 51d3d70:      	ldp	x29, x30, [sp], #0x10
+ 51d3d74:      	b	0x51e09d4 <__ZN2at3mps9MPSStream13commandBufferEv>
+"""
+GET_COMMAND_BUFFER_2_9_0 = """
+0000000005260f54 <__ZNK2at3mps8MPSHooks16getCommandBufferEv>:
+ 5260f54:      	stp	x20, x19, [sp, #-0x20]!
+ 5260f58:      	stp	x29, x30, [sp, #0x10]
+ 5260f5c:      	add	x29, sp, #0x10
+ 5260f60:      	bl	0x526e69c <__ZN2at3mps19getDefaultMPSStreamEv>
+ 5260f64:      	mov	x19, x0
+ 5260f68:      	bl	0x526ddcc <__ZN2at3mps9MPSStream19endKernelCoalescingEv>
+ 5260f6c:      	mov	x0, x19
+ 5260f70:      	ldp	x29, x30, [sp, #0x10]
+ 5260f74:      	ldp	x20, x19, [sp], #0x20
+ 5260f78:      	b	0x526dbd8 <__ZN2at3mps9MPSStream13commandBufferEv>
+"""
+
+
+def test_tier1_gate_boundary_from_recorded_disassembly():
+    """2.8.0 does not end kernel coalescing, 2.9.0 does: the gate must sit exactly at 2.9
+    (MFA_ARTIFACT_TORCH="2.8.0 2.9.0" re-reads both from the wheels)."""
+    assert TIER1_MIN_TORCH == (2, 9)
+    assert not aa.coalesces_before_command_buffer(GET_COMMAND_BUFFER_2_8_0)
+    assert aa.coalesces_before_command_buffer(GET_COMMAND_BUFFER_2_9_0)
+    assert aa.check_gate("2.8.0", GET_COMMAND_BUFFER_2_8_0, TIER1_MIN_TORCH) == []
+    assert aa.check_gate("2.9.0", GET_COMMAND_BUFFER_2_9_0, TIER1_MIN_TORCH) == []
+    assert len(aa.check_gate("2.8.0", GET_COMMAND_BUFFER_2_8_0, (2, 8))) == 1
+    assert len(aa.check_gate("2.9.0", GET_COMMAND_BUFFER_2_9_0, (2, 10))) == 1
+
+
+# ----------------------------------------------------------------------------- Objective-C API
+
+@pytest.fixture(scope="module")
+def objc(ci_wheel):
+    clang = shutil.which("clang++") or require_tool("clang++")[0]
+    texts = [aa.extract(_fetch(aa.download_wheel, aa.PYOBJC[key]), member).read_text(encoding="utf-8")
+             for key, member in (("Metal", "Metal/_metadata.py"), ("Foundation", "Foundation/_metadata.py"),
+                                 ("dispatch", "dispatch/_metadata.py"))]
+    names, imports = aa.apple_symbols(Path(ci_wheel.dylib))
+    return aa.declared_api(clang), texts, names, imports
+
+
+def test_every_selector_and_function_matches_pyobjc_metadata(objc):
+    decls, texts, names, imports = objc
+    # What the .mm uses, as the stubs declare it (the .mm is parsed against them with -Werror).
+    methods = {d["name"] for d in decls if d["kind"] == "method"}
+    functions = {d["name"] for d in decls if d["kind"] == "function"}
+    assert {"device", "computeCommandEncoder", "setBytes:length:atIndex:", "setBuffer:offset:atIndex:",
+            "dispatchThreads:threadsPerThreadgroup:", "newLibraryWithURL:error:",
+            "newComputePipelineStateWithFunction:error:", "newFunctionWithName:", "endEncoding",
+            "setComputePipelineState:", "maxTotalThreadsPerThreadgroup", "stringWithUTF8String:",
+            "UTF8String", "localizedDescription", "fileURLWithPath:"} == methods
+    assert functions == {"dispatch_sync", "MTLSizeMake", "_dyld_image_count", "_dyld_get_image_name"}
+    assert "MTLCreateSystemDefaultDevice" not in re.sub(r"//[^\n]*", "", MM_TEXT)
+    assert aa.check_objc_api(decls, texts, MM_TEXT, names, imports) == []
+    # The encodings really come from clang for arm64 macOS.
+    enc = {d["name"]: d["encodings"] for d in decls}
+    assert enc["setBytes:length:atIndex:"] == ["v", "r^v", "Q", "Q"]
+    assert enc["dispatchThreads:threadsPerThreadgroup:"] == ["v", "{?=QQQ}", "{?=QQQ}"]
+    assert enc["dispatch_sync"] == ["v", "@", "@?"]
+
+
+def test_objc_check_finds_doctored_metadata_and_stubs(objc):
+    decls, texts, names, imports = objc
+    metal, foundation, dispatch = texts
+
+    def problems(metal=metal, foundation=foundation, dispatch=dispatch, decls=decls, names=names,
+                 imports=imports, mm=MM_TEXT):
+        return aa.check_objc_api(decls, [metal, foundation, dispatch], mm, names, imports)
+
+    # A selector gone from Metal's metadata (and from what Apple-built code sends).
+    gone = metal.replace('b"setBuffer:offset:atIndex:"', 'b"setBuffer:offset:index:"')
+    assert problems(metal=gone, names=names - {"setBuffer:offset:atIndex:"}) == [
+        "-[MTLComputeCommandEncoder setBuffer:offset:atIndex:]: not in the pyobjc metadata, and not "
+        "object-typed (['v', '@', 'Q', 'Q'])",
+        "-[MTLComputeCommandEncoder setBuffer:offset:atIndex:]: not in the pyobjc metadata, nor among "
+        "libtorch_cpu's selector names"]
+    # An argument type changed: setBytes:length:atIndex:'s length as a 32-bit int.
+    i = metal.index('b"setBytes:length:atIndex:"')
+    changed = metal[:i] + metal[i:].replace('3: {"type": b"Q"}', '3: {"type": b"I"}', 1)
+    assert problems(metal=changed) == [
+        "-[MTLComputeCommandEncoder setBytes:length:atIndex:]: argument 2 is 'Q', the metadata says b'I'"]
+    # A return type changed.
+    i = metal.index('b"maxTotalThreadsPerThreadgroup"')
+    ret = metal[:i] + metal[i:].replace('b"Q"', 'b"I"', 1)
+    assert problems(metal=ret) == [
+        "-[MTLComputePipelineState maxTotalThreadsPerThreadgroup]: returns 'Q', the metadata says b'I'"]
+    # An extra argument in the metadata (a stub with too few arguments).
+    i = metal.index('b"newFunctionWithName:"')
+    extra = metal[:i] + metal[i:].replace('"arguments": {2: {"type": b"@"}}',
+                                          '"arguments": {2: {"type": b"@"}, 3: {"type": b"Q"}}', 1)
+    assert problems(metal=extra) == [
+        "-[MTLLibrary newFunctionWithName:]: the metadata describes argument 3, the stub has 1"]
+    # A C function's signature changed.
+    i = dispatch.index('"dispatch_sync": (')
+    sync = dispatch[:i] + dispatch[i:].replace('b"v@@?"', 'b"v@^v@?"', 1)
+    assert problems(dispatch=sync) == ["dispatch_sync(): 2 arguments declared, the metadata has 3"]
+    size = metal.replace('"MTLSizeMake": (b"{MTLSize=QQQ}QQQ",)', '"MTLSizeMake": (b"{MTLSize=III}III",)')
+    assert len(problems(metal=size)) == 1
+    # A libSystem function that Apple-built code does not import.
+    assert problems(imports=imports - {"__dyld_get_image_name"}) == [
+        "_dyld_get_image_name(): neither in the pyobjc metadata nor imported by libtorch_cpu.dylib"]
+    # A stub declaration the .mm no longer uses.
+    assert problems(mm=MM_TEXT.replace("endEncoding", "endEncodingX")) == [
+        "endEncoding: declared in tests/objc_stubs but not used by metal_adam.mm"]
+    assert problems(mm=MM_TEXT.replace("get_command_buffer().device;", "get_command_buffer();")) == [
+        "device: declared in tests/objc_stubs but not used by metal_adam.mm"]
+
+
+def test_encoding_helpers():
+    assert aa.split_encoding("{MTLSize=QQQ}QQQ") == ["{MTLSize=QQQ}", "Q", "Q", "Q"]
+    assert aa.split_encoding("v@@?") == ["v", "@", "@?"]
+    assert aa.split_encoding("r^vQ^@") == ["r^v", "Q", "^@"]
+    assert aa.split_encoding("{a={b=ii}[4f]}c") == ["{a={b=ii}[4f]}", "c"]
+    assert aa.normalize_encoding("r*") == aa.normalize_encoding("^t") == "*"
+    assert aa.normalize_encoding("{?=QQQ}") == aa.normalize_encoding(b"{MTLSize=QQQ}")
+    assert aa.normalize_encoding("{?=QQI}") != aa.normalize_encoding(b"{MTLSize=QQQ}")
+    assert aa.normalize_encoding("^@") != aa.normalize_encoding("@")

@@ -1,0 +1,131 @@
+"""``python -m mps_fused_adam`` as a command line: --help without importing torch, the options that
+skip parts of the report, the JSON report, exit statuses; and ``bench --plot`` without matplotlib."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+HELP_PROBE = """
+import runpy, sys, time
+sys.argv = ["python -m mps_fused_adam", *sys.argv[1:]]
+t0 = time.perf_counter()
+try:
+    runpy.run_module("mps_fused_adam", run_name="__main__")
+except SystemExit as e:
+    code = e.code
+print("RESULT", code, "torch" in sys.modules, time.perf_counter() - t0)
+"""
+
+
+def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mps_fused_adam", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h", "--version"])
+def test_help_answers_without_importing_torch(flag):
+    t0 = time.perf_counter()
+    run = subprocess.run([sys.executable, "-c", HELP_PROBE, flag], capture_output=True, text=True, timeout=60)
+    wall = time.perf_counter() - t0
+    *out, result = run.stdout.strip().splitlines()
+    _, code, torch_loaded, seconds = result.split()
+    assert code == "0" and torch_loaded == "False", run.stdout + run.stderr
+    # The target is under a second; importing torch alone takes about one, hence the assert above.
+    print(f"{flag}: {float(seconds) * 1e3:.0f} ms in the command, {wall:.2f} s with the interpreter")
+    text = "\n".join(out)
+    if flag == "--version":
+        import mps_fused_adam
+        assert text == f"mps_fused_adam {mps_fused_adam.__version__}"
+    else:
+        for option in ("--no-bench", "--check", "--self-check-only", "--json", "Exit status"):
+            assert option in text
+
+
+def test_unknown_option_is_a_usage_error():
+    run = _run("--bench-only")
+    assert run.returncode == 2
+    assert "unrecognized arguments: --bench-only" in run.stderr and run.stdout == ""
+
+
+def test_check_only_json():
+    run = _run("--check", "--json")
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)  # nothing but the JSON object on stdout
+    assert set(report) == {"self_check", "passed"} and report["passed"] is True
+    from mps_fused_adam.selfcheck import PAIRS
+    cpu_paths = [r for r in report["self_check"] if r["backend"].startswith("_cpu (")]
+    assert cpu_paths and len(cpu_paths) % len(PAIRS) == 0
+    # The CPU kernel equals the reference bit for bit on every SIMD path (the contract).
+    assert all(r["bit_exact"] and r["worst_in_eps"] == 0 and r["passed"] for r in cpu_paths)
+
+
+def test_no_bench_text_report():
+    run = _run("--no-bench")
+    assert run.returncode == 0, run.stderr
+    import torch
+    assert f"torch {torch.__version__}" in run.stdout and "Backends:" in run.stdout
+    assert "Self-check against the reference" in run.stdout
+    assert "benchmark" not in run.stdout.lower()
+
+
+def test_json_report_with_benchmark(monkeypatch, capsys):
+    """The whole report in-process, with the benchmark shrunk to a few small rounds."""
+    import torch
+
+    from mps_fused_adam import __main__ as cli
+    from mps_fused_adam import bench
+    monkeypatch.setattr(bench, "QUICK", dict(flat=4096, many=(4, 1024), repeats=5, foreach=False))
+    assert cli.main(["--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    env = report["environment"]
+    assert env["torch"] == torch.__version__ and env["threads"] == torch.get_num_threads()
+    assert env["backends"]["cpu"]["backend"] == "cpu"
+    rows = report["benchmark"]
+    assert {r["contender"] for r in rows} == {"ours", "floor", "torch fused"}  # no foreach in the quick run
+    assert len(rows) == 2 * (3 + 3 + 2)  # two shapes; fp32, bf16/bf16: 3 contenders; bf16/fp32 states: 2
+    for r in rows:
+        if r["vs_torch_fused"] is not None and r["contender"] != "torch fused":
+            lo, hi = r["vs_torch_fused_spread"]
+            assert 0 < lo <= r["vs_torch_fused"] <= hi
+
+
+def test_failed_self_check_exits_1(monkeypatch, capsys):
+    from mps_fused_adam import __main__ as cli
+    from mps_fused_adam import selfcheck
+    bad = selfcheck.CheckResult("_cpu (test)", "cpu", "float32/float32", 9.5, False)
+    monkeypatch.setattr(selfcheck, "all_checks", lambda: iter([bad]))
+    assert cli.main(["--no-bench"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL _cpu (test)" in out and "1 self-check(s) FAILED" in out
+
+
+def test_ratio_spread_against_hand_computed_quartiles():
+    from mps_fused_adam.timing import ratio_spread
+    torch_times = [2.0, 2.0, 2.0, 2.0, 2.0]
+    ours = [1.0, 2.0, 4.0, 2.5, 1.6]  # ratios 2.0, 1.0, 0.5, 0.8, 1.25
+    median, q1, q3 = ratio_spread(torch_times, ours)
+    assert median == 1.0
+    assert (q1, q3) == pytest.approx((0.65, 1.625))  # statistics.quantiles' default (exclusive) method
+
+
+def test_noise_note():
+    from mps_fused_adam.bench import Row, noise_note
+    calm = Row("flat", "fp32", 2, "ours", 1.0, 1.0, 1.0, 1.0, (0.98, 1.03))
+    busy = Row("flat", "fp32", 2, "ours", 1.0, 1.0, 1.0, 1.0, (0.80, 1.20))
+    assert noise_note([calm]) is None
+    assert "+-20%" in noise_note([calm, busy])
+
+
+def test_bench_plot_without_matplotlib_fails_before_running(monkeypatch):
+    from mps_fused_adam import bench
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+
+    def must_not_run(*a, **k):
+        raise AssertionError("the benchmark ran before matplotlib was checked")
+    monkeypatch.setattr(bench, "cpu_section", must_not_run)
+    with pytest.raises(SystemExit, match=r"--plot needs matplotlib.*mps-fused-adam\[bench\]"):
+        bench.main(["--quick", "--plot", "out.png"])
