@@ -18,7 +18,8 @@
 // type, from the instantiation lists at the end (one line per rule x dtype pair):
 //   fused_adam_float_float, fused_adam_half_float, fused_adam_half_half,
 //   fused_adam_bfloat_float, fused_adam_bfloat_bfloat (the bfloat ones need Metal 3.1, macOS 14),
-//   and the same five pairs of fused_lion_* and fused_adagrad_*.
+//   the same five pairs of fused_lion_* and fused_adagrad_*, and fused_adam_sr_bfloat_float,
+//   fused_adam_sr_bfloat_bfloat (Adam, the bf16 param stored by stochastic rounding).
 // Buffers, for a rule with K states (Adam: K = 2; Lion, Adagrad: K = 1):
 //   0 param (P, in/out)   1 grad (P, in)   2 .. 1+K the states (S, in/out)
 //   2+K the rule's Params (constant struct; Adam: 9 floats, 2 uints, in contract.AdamScalars order)
@@ -149,6 +150,22 @@ struct AdagradRule {
   }
 };
 
+// Adam whose bf16 parameter is stored by stochastic rounding (python/mps_fused_adam/lowbit.py):
+// the Adam math above, then the store of ParamStore<AdamSRRule> below. The key is the tensor's
+// lowbit.sr_key(seed, step), so the host dispatches one tensor per struct.
+struct AdamSRParams {
+  AdamParams adam;
+  uint sr_key;
+};
+
+struct AdamSRRule {
+  enum : uint { kStates = 2 };
+  typedef AdamSRParams Params;
+  static inline void apply(thread float& p, float g, thread float* s, constant Params& hp) {
+    AdamRule::apply(p, g, s, hp.adam);
+  }
+};
+
 // Four elements per thread through packed vectors: packed types need only the scalar's alignment,
 // so a tensor at any storage offset is read with wide loads and no misaligned access.
 template <typename T> struct Vec4;
@@ -178,6 +195,44 @@ inline void store4(device T* dst, float4 x) {
   *(device typename Vec4<T>::packed*)dst = typename Vec4<T>::packed(typename Vec4<T>::vec(x));
 }
 
+// How a kernel stores the new parameter: round to nearest even for every rule but AdamSRRule.
+template <typename Rule> struct ParamStore {
+  template <typename P>
+  static inline void store(device P* dst, float4 x, constant typename Rule::Params&, ulong) {
+    store4(dst, x);
+  }
+  template <typename P>
+  static inline void store(device P* dst, float x, constant typename Rule::Params&, ulong) {
+    *dst = P(x);
+  }
+};
+
+#if __METAL_VERSION__ >= 310
+// Stochastic rounding to bf16 (lowbit.py's contract): (bits(x) + r) >> 16, r the top 16 bits of
+// fmix32(key ^ lo * 0x9E3779B9 ^ hi * 0x85EBCA77) for the element index hi:lo in its tensor;
+// NaN stores 0x7FC0. Only bfloat params are instantiated with this rule.
+template <> struct ParamStore<AdamSRRule> {
+  static inline ushort round1(float x, uint key, ulong index) {
+    const uint u = as_type<uint>(x);
+    uint h = key ^ (uint(index) * 0x9E3779B9u) ^ (uint(index >> 32) * 0x85EBCA77u);
+    h ^= h >> 16;
+    h *= 0x85EBCA6Bu;
+    h ^= h >> 13;
+    h *= 0xC2B2AE35u;
+    h ^= h >> 16;
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? ushort(0x7FC0u) : ushort((u + (h >> 16)) >> 16);
+  }
+  static inline void store(device bfloat* dst, float4 x, constant AdamSRParams& hp, ulong index) {
+    for (uint e = 0; e < 4; ++e) {
+      store(dst + e, x[e], hp, index + e);
+    }
+  }
+  static inline void store(device bfloat* dst, float x, constant AdamSRParams& hp, ulong index) {
+    *(device ushort*)dst = round1(x, hp.sr_key, index);
+  }
+};
+#endif
+
 // The body every kernel shape shares: four elements per thread, the rule applied to each. The
 // rule's states are s0 (and s1 for two-state rules; one-state shapes pass s0 twice, unused).
 template <typename Rule, typename P, typename S>
@@ -197,7 +252,7 @@ inline void step_elements(device P* param, device const P* grad, device S* s0, d
       m[e] = se[0];
       v[e] = se[1];
     }
-    store4(param + i, p);
+    ParamStore<Rule>::store(param + i, p, hp, i);
     store4(s0 + i, m);
     if (Rule::kStates > 1) {
       store4(s1 + i, v);
@@ -208,7 +263,7 @@ inline void step_elements(device P* param, device const P* grad, device S* s0, d
       float pe = float(param[j]);
       float se[2] = {float(s0[j]), Rule::kStates > 1 ? float(s1[j]) : 0.0f};
       Rule::apply(pe, float(grad[j]), se, hp);
-      param[j] = P(pe);
+      ParamStore<Rule>::store(param + j, pe, hp, j);
       s0[j] = S(se[0]);
       if (Rule::kStates > 1) {
         s1[j] = S(se[1]);
@@ -261,7 +316,9 @@ kernel void fused_step_1(device P* param [[buffer(0)]],
   X(fused_step_1, LionRule, lion, bfloat, float)         \
   X(fused_step_1, LionRule, lion, bfloat, bfloat)        \
   X(fused_step_1, AdagradRule, adagrad, bfloat, float)   \
-  X(fused_step_1, AdagradRule, adagrad, bfloat, bfloat)
+  X(fused_step_1, AdagradRule, adagrad, bfloat, bfloat) \
+  X(fused_step_2, AdamSRRule, adam_sr, bfloat, float)   \
+  X(fused_step_2, AdamSRRule, adam_sr, bfloat, bfloat)
 
 #define FUSED_INSTANTIATE(SHAPE, RULE, NAME, P, S)                                   \
   template [[host_name("fused_" #NAME "_" #P "_" #S)]] [[kernel]] decltype(SHAPE<RULE, P, S>) \

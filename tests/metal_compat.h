@@ -28,6 +28,16 @@
 
 typedef uint32_t uint;
 typedef uint64_t ulong;
+typedef uint16_t ushort;
+
+// Metal's bit reinterpretation between types of one size.
+template <typename T, typename U>
+inline T as_type(U u) {
+  static_assert(sizeof(T) == sizeof(U), "as_type needs types of one size");
+  T t;
+  std::memcpy(&t, &u, sizeof t);
+  return t;
+}
 
 // g++ 12 on x86-64 implements _Float16 with round-to-nearest-even conversions from float.
 typedef _Float16 half;

@@ -72,3 +72,36 @@ def test_bad_input_rejected_before_anything_is_encoded(metal_backend):
     assert len(ext.calls) == calls_before
     assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
     assert all(opt.state[p]["step"] == 1 for p in params)
+
+
+@pytest.mark.parametrize("cls", [mfa.AdamW, mfa.FusedAdam])
+def test_bf16_stochastic_rounding_through_metal_tier_matches_reference(metal_backend, emu, cls):
+    """bf16_stochastic_round on a Metal tier: fused_adam_sr_bfloat_* once per bf16 tensor (each
+    has its own key), bit for bit the reference; other dtypes of the group keep the Adam kernel."""
+    from mps_fused_adam import lowbit
+    from mps_fused_adam.reference_lowbit import reference_adam_sr_
+    backend, ext = metal_backend
+    gen = torch.Generator().manual_seed(8)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(d))
+              for s, d in (((33, 7), torch.bfloat16), ((4097,), torch.bfloat16), ((5,), torch.float32))]
+    params.append(torch.nn.Parameter(torch.randn(40, 6, generator=gen).bfloat16().t()))  # non-contiguous
+    refs = [[p.detach().clone(), None, torch.zeros_like(p), torch.zeros_like(p)] for p in params]
+    opt = cls(params, lr=1e-2, weight_decay=0.1, bf16_stochastic_round=True)
+    before = len(emu.dispatches)
+    for step in (1, 2, 3):
+        for p, r in zip(params, refs):
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+            r[1] = p.grad.clone()
+        opt.step()
+        for p, r in zip(params, refs):
+            hp = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.1, step, adam_w_mode=True)
+            key = lowbit.sr_key(opt.state[p]["sr_seed"], step) if p.dtype is torch.bfloat16 else None
+            reference_adam_sr_(*r, hp, key)
+    for p, r in zip(params, refs):
+        assert torch.equal(p.detach().contiguous().view(torch.uint8), r[0].contiguous().view(torch.uint8)), p.dtype
+        assert torch.equal(opt.state[p]["exp_avg_sq"], r[3])
+    # Every tier ran the stochastic-rounding kernel for the three bf16 tensors at each step.
+    assert sum(d["name"] == "fused_adam_sr_bfloat_bfloat" for d in emu.dispatches[before:]) == 3 * 3
+    if backend.name == "metal":
+        names = [c[0] for c in ext.calls]
+        assert names.count("fused_adam_sr_bfloat_bfloat") == 3 * 3 and "fused_adam_float_float" in names

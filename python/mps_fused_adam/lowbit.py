@@ -43,12 +43,13 @@ from __future__ import annotations
 
 import math
 import struct
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
 import torch
 
-from .contract import adam_scalars
+from .contract import AdamHyper, Rule, adam_scalars
 
 BLOCK = 256
 MIN_8BIT_SIZE = 4096
@@ -258,3 +259,22 @@ def new_sr_seed(generator: torch.Generator | None = None) -> int:
     hi = int(torch.randint(0, 2 ** 32, (1,), generator=generator, dtype=torch.int64))
     lo = int(torch.randint(0, 2 ** 32, (1,), generator=generator, dtype=torch.int64))
     return (hi << 32) | lo
+
+
+@dataclass(frozen=True)
+class AdamSRHyper:
+    """One Adam step of one tensor whose bf16 parameter is stored by stochastic rounding: the
+    Adam hyperparameters and the tensor's :func:`sr_key` for this step."""
+
+    adam: AdamHyper
+    sr_key: int
+
+
+def adam_sr_scalars(hp: AdamSRHyper) -> tuple:
+    """Adam's host scalars (contract v2), then the 32-bit key."""
+    return (*adam_scalars(hp.adam), hp.sr_key & _M32)
+
+
+# The Metal kernels' rule for it (fused_adam_sr_bfloat_*): Adam's states and struct plus the key.
+# Not in contract.RULES: the CPU kernel runs it as a param storage (bf16sr) of the Adam rule.
+ADAM_SR = Rule("adam_sr", ("exp_avg", "exp_avg_sq"), AdamSRHyper, adam_sr_scalars, "<9f3I")

@@ -309,11 +309,13 @@ class _AdamBase(_FusedOptimizer):
 def _stochastic_round_step(device: torch.device, ps: list, gs: list, ms: list, vs: list, states: list,
                            hp: AdamHyper) -> None:
     """Adam with bf16 params stored by stochastic rounding (lowbit.py's contract): the CPU kernel
-    for contiguous CPU tensors, else the plain-torch reference one tensor at a time (no Metal
-    kernel for this option yet). Each param gets its own 64-bit seed in its state (``sr_seed``)
-    on its first such step."""
+    for contiguous CPU tensors, the Metal kernels ``fused_adam_sr_bfloat_*`` on the Metal tiers
+    (one dispatch per tensor: the key is per tensor), else the plain-torch reference one tensor
+    at a time. Each param gets its own 64-bit seed in its state (``sr_seed``) on its first such
+    step."""
     from . import lowbit
     from .backends import CPUBackend
+    from .mps_backends import MetalExtBackend, ShaderLibraryBackend
     from .reference_lowbit import reference_adam_sr_
     for st in states:
         if "sr_seed" not in st:
@@ -322,6 +324,10 @@ def _stochastic_round_step(device: torch.device, ps: list, gs: list, ms: list, v
     backend = get_backend(device)
     if isinstance(backend, CPUBackend) and all(t.is_contiguous() for lst in (ps, gs, ms, vs) for t in lst):
         backend.update("adam", ps, gs, [ms, vs], hp, sr_keys=keys)
+        return
+    if isinstance(backend, (MetalExtBackend, ShaderLibraryBackend)):
+        for p, g, m, v, key in zip(ps, gs, ms, vs, keys):
+            update_staged(backend, lowbit.ADAM_SR.name, [p], [g], [[m], [v]], lowbit.AdamSRHyper(hp, key))
         return
     for p, g, m, v, key in zip(ps, gs, ms, vs, keys):
         reference_adam_sr_(p, g, m, v, hp, key)
