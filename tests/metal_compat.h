@@ -29,6 +29,7 @@
 typedef uint32_t uint;
 typedef uint64_t ulong;
 typedef uint16_t ushort;
+typedef uint8_t uchar;
 
 // Metal's bit reinterpretation between types of one size.
 template <typename T, typename U>
@@ -98,6 +99,7 @@ typedef vec4<bfloat> packed_bfloat4;
 namespace metal {
 // Correctly rounded, as IEEE requires of sqrt (and as Metal's precise sqrt is meant to be).
 inline float sqrt(float x) { return std::sqrt(x); }
+inline float fabs(float x) { return std::fabs(x); }
 namespace precise {
 // metal::precise:: forms: correctly rounded sqrt and division, whatever the math mode.
 inline float sqrt(float x) { return std::sqrt(x); }

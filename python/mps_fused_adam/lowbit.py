@@ -193,8 +193,13 @@ def _kernel_table_cpu(signed: bool) -> torch.Tensor:
 def kernel_table(signed: bool, device: torch.device | str = "cpu") -> torch.Tensor:
     """The kernels' table of one map (fp32): its 256 code values, its 255 midpoints, one pad
     entry, then 4096 quantizer start counts (small integers, exact in fp32)."""
-    t = _kernel_table_cpu(bool(signed))
-    return t if torch.device(device).type == "cpu" else t.to(device)
+    device = torch.device(device)
+    return _kernel_table_cpu(bool(signed)) if device.type == "cpu" else _kernel_table_on(bool(signed), device)
+
+
+@lru_cache(maxsize=None)
+def _kernel_table_on(signed: bool, device: torch.device) -> torch.Tensor:
+    return _kernel_table_cpu(signed).to(device)  # once per device, not once per step
 
 
 # ---- stochastic rounding: a counter-based hash -------------------------------------------------
@@ -278,3 +283,24 @@ def adam_sr_scalars(hp: AdamSRHyper) -> tuple:
 # The Metal kernels' rule for it (fused_adam_sr_bfloat_*): Adam's states and struct plus the key.
 # Not in contract.RULES: the CPU kernel runs it as a param storage (bf16sr) of the Adam rule.
 ADAM_SR = Rule("adam_sr", ("exp_avg", "exp_avg_sq"), AdamSRHyper, adam_sr_scalars, "<9f3I")
+
+
+@dataclass(frozen=True)
+class Adam8bitTensorHyper:
+    """One 8-bit Adam step of one tensor on the Metal kernels: the Adam hyperparameters and, for
+    a bf16 param stored by stochastic rounding, its :func:`sr_key` for this step (else None)."""
+
+    adam: AdamHyper
+    sr_key: int | None = None
+
+
+def adam8bit_tensor_scalars(hp: Adam8bitTensorHyper) -> tuple:
+    """:func:`adam8bit_scalars`, then the stochastic-rounding switch and key."""
+    key = hp.sr_key
+    return (*adam8bit_scalars(hp.adam), int(key is not None), 0 if key is None else key & _M32)
+
+
+# The Metal kernels' 8-bit rule (fused_adam8bit_*_uchar): buffers param, grad, then these six
+# (codes and block scales of both moments, then the two kernel_table maps); struct "<10f4I".
+ADAM8BIT = Rule("adam8bit", ("exp_avg_codes", "exp_avg_sq_codes", "exp_avg_absmax", "exp_avg_sq_absmax",
+                             "map1", "map2"), Adam8bitTensorHyper, adam8bit_tensor_scalars, "<10f4I")

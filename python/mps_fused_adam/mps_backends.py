@@ -28,7 +28,7 @@ import torch
 
 from .backends import addresses, numels
 from .contract import RULES, AdamHyper, rule as rule_spec
-from .lowbit import ADAM_SR
+from .lowbit import ADAM8BIT, ADAM_SR
 
 ELEMS_PER_THREAD = 4
 # 2^30 threads cover 2^32 elements: thread_position_in_grid is a 32-bit uint, and keeping each
@@ -51,14 +51,18 @@ _DTYPE_NAMES = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "
 
 # The rules the Metal kernels run: contract.RULES, and Adam storing a bf16 param by stochastic
 # rounding (lowbit.ADAM_SR, bf16 params only).
-METAL_RULES = {**RULES, ADAM_SR.name: ADAM_SR}
+METAL_RULES = {**RULES, ADAM_SR.name: ADAM_SR, ADAM8BIT.name: ADAM8BIT}
 
-# (rule, param dtype, state dtype) -> kernel host name; states are fp32 or the param dtype.
+# (rule, param dtype, state dtype) -> kernel host name; states are fp32 or the param dtype
+# (8-bit Adam: uint8 codes, any param dtype).
 KERNELS = {
     (r, p, s): f"fused_{r}_{_DTYPE_NAMES[p]}_{_DTYPE_NAMES[s]}"
-    for r in METAL_RULES for p in _DTYPE_NAMES for s in (torch.float32, p)
-    if r != ADAM_SR.name or p is torch.bfloat16
+    for r in RULES for p in _DTYPE_NAMES for s in (torch.float32, p)
 }
+KERNELS.update({(ADAM_SR.name, torch.bfloat16, s): f"fused_{ADAM_SR.name}_bfloat_{_DTYPE_NAMES[s]}"
+                for s in (torch.float32, torch.bfloat16)})
+KERNELS.update({(ADAM8BIT.name, p, torch.uint8): f"fused_{ADAM8BIT.name}_{_DTYPE_NAMES[p]}_uchar"
+                for p in _DTYPE_NAMES})
 
 
 # torch compiles tier 3's source with fast math when this is set to a non-zero value (torch 2.13:

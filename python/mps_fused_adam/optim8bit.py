@@ -150,12 +150,15 @@ _PARAM_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def _update(p: torch.Tensor, g: torch.Tensor, st: dict[str, Any], hp: AdamHyper, sr_key: Optional[int]) -> None:
-    """One tensor's update on its device's implementation of the rule: the ``_cpu`` extension's
-    8-bit kernel for CPU tensors, the plain-torch reference elsewhere (a correct, not fast, path;
-    untested on MPS). Moments below min_8bit_size use the backends' Adam kernel, or the torch
-    stochastic-rounding path when that option is on."""
+    """One tensor's update on its device's implementation of the rule: the Metal kernels on the
+    Metal tiers (untested on Apple hardware), the ``_cpu`` extension's 8-bit kernel for CPU
+    tensors, the plain-torch reference elsewhere (a correct, not fast, path). Moments below
+    min_8bit_size use the backends' Adam kernel, with stochastic rounding when that option is on."""
     if "exp_avg_codes" in st:
-        if p.is_cpu and _cpu_ext() is not None:
+        backend = get_backend(p.device)
+        if isinstance(backend, _metal_backends()):
+            _metal_adam8bit(backend, p, g, st, hp, sr_key)
+        elif p.is_cpu and _cpu_ext() is not None:
             _cpu_adam8bit(p, g, st, hp, sr_key)
         else:
             reference_adam8bit_(p, g, st["exp_avg_codes"], st["exp_avg_absmax"], st["exp_avg_sq_codes"],
@@ -164,10 +167,32 @@ def _update(p: torch.Tensor, g: torch.Tensor, st: dict[str, Any], hp: AdamHyper,
         backend = get_backend(p.device)
         if isinstance(backend, CPUBackend) and p.is_contiguous() and g.is_contiguous():
             backend.update("adam", [p], [g], [[st["exp_avg"]], [st["exp_avg_sq"]]], hp, sr_keys=[sr_key])
+        elif isinstance(backend, _metal_backends()):
+            update_staged(backend, lowbit.ADAM_SR.name, [p], [g], [[st["exp_avg"]], [st["exp_avg_sq"]]],
+                          lowbit.AdamSRHyper(hp, sr_key))
         else:
             reference_adam_sr_(p, g, st["exp_avg"], st["exp_avg_sq"], hp, sr_key)
     else:
         update_staged(get_backend(p.device), "adam", [p], [g], [[st["exp_avg"]], [st["exp_avg_sq"]]], hp)
+
+
+def _metal_backends() -> tuple:
+    from .mps_backends import MetalExtBackend, ShaderLibraryBackend
+    return (MetalExtBackend, ShaderLibraryBackend)
+
+
+def _metal_adam8bit(backend: Any, p: torch.Tensor, g: torch.Tensor, st: dict[str, Any], hp: AdamHyper,
+                    sr_key: Optional[int]) -> None:
+    """The Metal kernel fused_adam8bit_*_uchar over one tensor (one dispatch: the key is per
+    tensor), on contiguous copies of a non-contiguous param or grad."""
+    pc, gc = p.contiguous(), g.contiguous()  # codes and scales are always contiguous (ours)
+    tables = [[lowbit.kernel_table(True, p.device)], [lowbit.kernel_table(False, p.device)]]
+    backend.update(lowbit.ADAM8BIT.name, [pc], [gc],
+                   [[st["exp_avg_codes"]], [st["exp_avg_sq_codes"]], [st["exp_avg_absmax"]],
+                    [st["exp_avg_sq_absmax"]], *tables],
+                   lowbit.Adam8bitTensorHyper(hp, sr_key if p.dtype is torch.bfloat16 else None))
+    if pc is not p:
+        p.copy_(pc)
 
 
 def _cpu_ext() -> Any:
