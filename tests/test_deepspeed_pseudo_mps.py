@@ -28,8 +28,6 @@ Checks:
 """
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -46,28 +44,8 @@ GRADS = ["grads-s2:fp32", "grads-s3:fp32"]
 GRAD_RTOL = 1e-6
 
 
-def _env(tmp, **extra):
-    return dsenv.no_compiler_env(tmp, MFA_PSEUDO_MPS="1", MASTER_ADDR="127.0.0.1", **extra)
-
-
 def _run_ranks(tmp, specs, world_size):
-    port = str(dsenv.free_port())
-    procs = []
-    for rank in range(world_size):
-        env = _env(tmp, MASTER_PORT=port, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                   LOCAL_WORLD_SIZE=str(world_size))
-        procs.append(subprocess.Popen([sys.executable, RUNNER, *specs], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    outs = []
-    for p in procs:
-        try:
-            stdout, stderr = p.communicate(timeout=600)
-        finally:
-            if p.poll() is None:
-                p.kill()
-        assert p.returncode == 0, f"rank exited with {p.returncode}\n{stdout[-4000:]}\n{stderr[-8000:]}"
-        outs.append(dsenv.parse_result(stdout))
-    return outs
+    return dsenv.run_ranks(tmp, [RUNNER, *specs], world_size, MFA_PSEUDO_MPS="1")
 
 
 @pytest.fixture(scope="module")

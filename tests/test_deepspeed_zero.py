@@ -98,23 +98,7 @@ def single_results(tmp_path_factory):
 def pair_results(tmp_path_factory):
     dsenv.require_deepspeed()
     tmp = tmp_path_factory.mktemp("zero2")
-    port = str(dsenv.free_port())
-    procs = []
-    import subprocess
-    for rank in (0, 1):
-        env = dsenv.no_compiler_env(tmp, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank),
-                                    LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
-        procs.append(subprocess.Popen([sys.executable, RUNNER, *PAIR], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    outs = []
-    for p in procs:
-        try:
-            stdout, stderr = p.communicate(timeout=600)
-        finally:
-            if p.poll() is None:
-                p.kill()
-        assert p.returncode == 0, f"rank exited with {p.returncode}\n{stdout[-4000:]}\n{stderr[-6000:]}"
-        outs.append(dsenv.parse_result(stdout))
+    outs = dsenv.run_ranks(tmp, [RUNNER, *PAIR], 2)
     return {"ranks": outs, "built": dsenv.extensions_built(tmp)}
 
 

@@ -97,3 +97,26 @@ def run_python(args: list, env: dict, timeout: float = 600, cwd: str | None = No
         raise AssertionError(f"{args} exited with {proc.returncode}\n--- stdout ---\n{proc.stdout[-6000:]}"
                              f"\n--- stderr ---\n{proc.stderr[-6000:]}")
     return proc
+
+
+def run_ranks(tmp_path: Path, argv: list, world_size: int, **extra: str) -> list:
+    """Run ``python *argv`` as ``world_size`` ranks over gloo on loopback, in environments with
+    no compiler (plus ``extra``); each rank's parsed MFA-RESULT, in rank order."""
+    port = str(free_port())
+    procs = []
+    for rank in range(world_size):
+        env = no_compiler_env(tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank),
+                              LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                              LOCAL_WORLD_SIZE=str(world_size), **extra)
+        procs.append(subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outs = []
+    for p in procs:
+        try:
+            stdout, stderr = p.communicate(timeout=600)
+        finally:
+            if p.poll() is None:
+                p.kill()
+        assert p.returncode == 0, f"rank exited with {p.returncode}\n{stdout[-4000:]}\n{stderr[-8000:]}"
+        outs.append(parse_result(stdout))
+    return outs
