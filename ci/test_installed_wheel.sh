@@ -72,6 +72,13 @@ for b in (CPUAdamBuilder, CPULionBuilder, CPUAdagradBuilder): print('MFA-SO', b(
   echo "DeepSpeed's ops for the cross-checks: $MFA_DS_CPU_ADAM_SO $MFA_DS_CPU_LION_SO $MFA_DS_CPU_ADAGRAD_SO"
 fi
 
+if [ -n "${MFA_BITSANDBYTES:-}" ]; then
+  # bitsandbytes, for the state-dict conversion and numerics tests of AdamW8bit; the torch pin as
+  # a constraint so it cannot pull another torch.
+  printf 'torch==2.13.0\n' > "$WORK/constraints.txt"
+  "$VPY" -m pip install -q -c "$WORK/constraints.txt" "bitsandbytes==${MFA_BITSANDBYTES}"
+fi
+
 # The README's commands, run from the checkout with the venv first on PATH: the package is
 # importable only from site-packages (the source lives under python/, which nothing puts on
 # sys.path), and the import check proves it.

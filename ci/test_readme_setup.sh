@@ -27,7 +27,7 @@ echo "------------------------------------"
 # Skip lines are checked below; the log is the run's whole output.
 (
   cd "$WORK/checkout"
-  unset MFA_REQUIRE_TOOLS MFA_REQUIRE_DEEPSPEED MFA_WHEEL MFA_DS_CPU_ADAM_SO VIRTUAL_ENV PYTHONPATH
+  unset MFA_REQUIRE_TOOLS MFA_REQUIRE_DEEPSPEED MFA_REQUIRE_BITSANDBYTES MFA_WHEEL MFA_DS_CPU_ADAM_SO VIRTUAL_ENV PYTHONPATH
   export PYTEST_ADDOPTS="-ra -p no:cacheprovider"
   PATH="$(dirname "$(command -v "$PY")"):$PATH" bash -euo pipefail "$WORK/setup.sh"
 ) 2>&1 | tee "$WORK/setup.log"

@@ -18,7 +18,9 @@
 // type, from the instantiation lists at the end (one line per rule x dtype pair):
 //   fused_adam_float_float, fused_adam_half_float, fused_adam_half_half,
 //   fused_adam_bfloat_float, fused_adam_bfloat_bfloat (the bfloat ones need Metal 3.1, macOS 14),
-//   and the same five pairs of fused_lion_* and fused_adagrad_*.
+//   the same five pairs of fused_lion_* and fused_adagrad_*, and fused_adam_sr_bfloat_float,
+//   fused_adam_sr_bfloat_bfloat (Adam, the bf16 param stored by stochastic rounding), and
+//   fused_adam8bit_{float,half,bfloat}_uchar (8-bit block-wise Adam: buffers at fused_step_8bit).
 // Buffers, for a rule with K states (Adam: K = 2; Lion, Adagrad: K = 1):
 //   0 param (P, in/out)   1 grad (P, in)   2 .. 1+K the states (S, in/out)
 //   2+K the rule's Params (constant struct; Adam: 9 floats, 2 uints, in contract.AdamScalars order)
@@ -149,6 +151,22 @@ struct AdagradRule {
   }
 };
 
+// Adam whose bf16 parameter is stored by stochastic rounding (python/mps_fused_adam/lowbit.py):
+// the Adam math above, then the store of ParamStore<AdamSRRule> below. The key is the tensor's
+// lowbit.sr_key(seed, step), so the host dispatches one tensor per struct.
+struct AdamSRParams {
+  AdamParams adam;
+  uint sr_key;
+};
+
+struct AdamSRRule {
+  enum : uint { kStates = 2 };
+  typedef AdamSRParams Params;
+  static inline void apply(thread float& p, float g, thread float* s, constant Params& hp) {
+    AdamRule::apply(p, g, s, hp.adam);
+  }
+};
+
 // Four elements per thread through packed vectors: packed types need only the scalar's alignment,
 // so a tensor at any storage offset is read with wide loads and no misaligned access.
 template <typename T> struct Vec4;
@@ -178,6 +196,44 @@ inline void store4(device T* dst, float4 x) {
   *(device typename Vec4<T>::packed*)dst = typename Vec4<T>::packed(typename Vec4<T>::vec(x));
 }
 
+// How a kernel stores the new parameter: round to nearest even for every rule but AdamSRRule.
+template <typename Rule> struct ParamStore {
+  template <typename P>
+  static inline void store(device P* dst, float4 x, constant typename Rule::Params&, ulong) {
+    store4(dst, x);
+  }
+  template <typename P>
+  static inline void store(device P* dst, float x, constant typename Rule::Params&, ulong) {
+    *dst = P(x);
+  }
+};
+
+#if __METAL_VERSION__ >= 310
+// Stochastic rounding to bf16 (lowbit.py's contract): (bits(x) + r) >> 16, r the top 16 bits of
+// fmix32(key ^ lo * 0x9E3779B9 ^ hi * 0x85EBCA77) for the element index hi:lo in its tensor;
+// NaN stores 0x7FC0. Only bfloat params are instantiated with this rule.
+template <> struct ParamStore<AdamSRRule> {
+  static inline ushort round1(float x, uint key, ulong index) {
+    const uint u = as_type<uint>(x);
+    uint h = key ^ (uint(index) * 0x9E3779B9u) ^ (uint(index >> 32) * 0x85EBCA77u);
+    h ^= h >> 16;
+    h *= 0x85EBCA6Bu;
+    h ^= h >> 13;
+    h *= 0xC2B2AE35u;
+    h ^= h >> 16;
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? ushort(0x7FC0u) : ushort((u + (h >> 16)) >> 16);
+  }
+  static inline void store(device bfloat* dst, float4 x, constant AdamSRParams& hp, ulong index) {
+    for (uint e = 0; e < 4; ++e) {
+      store(dst + e, x[e], hp, index + e);
+    }
+  }
+  static inline void store(device bfloat* dst, float x, constant AdamSRParams& hp, ulong index) {
+    *(device ushort*)dst = round1(x, hp.sr_key, index);
+  }
+};
+#endif
+
 // The body every kernel shape shares: four elements per thread, the rule applied to each. The
 // rule's states are s0 (and s1 for two-state rules; one-state shapes pass s0 twice, unused).
 template <typename Rule, typename P, typename S>
@@ -197,7 +253,7 @@ inline void step_elements(device P* param, device const P* grad, device S* s0, d
       m[e] = se[0];
       v[e] = se[1];
     }
-    store4(param + i, p);
+    ParamStore<Rule>::store(param + i, p, hp, i);
     store4(s0 + i, m);
     if (Rule::kStates > 1) {
       store4(s1 + i, v);
@@ -208,7 +264,7 @@ inline void step_elements(device P* param, device const P* grad, device S* s0, d
       float pe = float(param[j]);
       float se[2] = {float(s0[j]), Rule::kStates > 1 ? float(s1[j]) : 0.0f};
       Rule::apply(pe, float(grad[j]), se, hp);
-      param[j] = P(pe);
+      ParamStore<Rule>::store(param + j, pe, hp, j);
       s0[j] = S(se[0]);
       if (Rule::kStates > 1) {
         s1[j] = S(se[1]);
@@ -242,6 +298,149 @@ kernel void fused_step_1(device P* param [[buffer(0)]],
   step_elements<Rule, P, S>(param, grad, state0, state0, hp, base, n, tid);
 }
 
+// 8-bit block-wise Adam (python/mps_fused_adam/lowbit.py, reference_lowbit.reference_adam8bit_):
+// both moments as uchar codes with one fp32 scale (absmax) per block of 256 elements. The thread
+// whose four elements start a block owns the whole block (the others return), so a block's new
+// scales are known before any of its codes is written and no threadgroup barrier is needed. The
+// first pass finds the new scales without writing; the second recomputes each element (the same
+// operations, so the same values), stores the parameter and quantizes. Not tuned for Apple GPUs
+// (one working thread per 256 elements, private to its block).
+// Buffers: 0 param (P)  1 grad (P)  2 exp_avg codes  3 exp_avg_sq codes (uchar)  4, 5 their block
+// scales (float)  6, 7 the signed and unsigned map tables (lowbit.kernel_table: 256 code values,
+// 255 midpoints, a pad, 4096 quantizer start counts)  8 Adam8bitParams  9 base  10 n.
+struct Adam8bitParams {
+  float beta1;
+  float beta2;
+  float one_minus_beta1;
+  float one_minus_beta2;
+  float eps;
+  float weight_decay;
+  float step_size;
+  float d2;
+  float decay;
+  float clip;  // the bound of the normalized step m / denom (lowbit.normalized_step_bound)
+  uint adam_w_mode;
+  uint maximize;
+  uint sr;      // bf16 params only: store by stochastic rounding with sr_key
+  uint sr_key;
+};
+
+struct Adam8bitRule {
+  enum : uint { kStates = 6 };  // two code buffers, two scale buffers, two map tables
+  typedef Adam8bitParams Params;
+  // The element's Adam step on dequantized moments, the normalized step clamped to [-clip, clip].
+  static inline void apply(thread float& p, float g, thread float& m, thread float& v, constant Params& hp) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+    if (hp.maximize != 0) {
+      g = -g;
+    }
+    if (hp.adam_w_mode == 0) {
+      g = g + hp.weight_decay * p;
+    }
+    m = hp.beta1 * m + hp.one_minus_beta1 * g;
+    v = hp.beta2 * v + hp.one_minus_beta2 * (g * g);
+    const float denom = metal::precise::sqrt(v) * hp.d2 + hp.eps;
+    float u = metal::precise::divide(m, denom);
+    if (u > hp.clip) {
+      u = hp.clip;
+    }
+    if (u < -hp.clip) {
+      u = -hp.clip;
+    }
+    if (hp.adam_w_mode != 0) {
+      p = p * hp.decay;
+    }
+    p = p - hp.step_size * u;
+  }
+};
+
+// The number of midpoints strictly below x (the nearest code, ties to the lower one, NaN -> 0):
+// the start count of x's bucket of 2^20 fp32 bit patterns (in value order), then a few steps up.
+inline uint code_of(float x, device const float* table) {
+  if (x != x) {
+    return 0;
+  }
+  const uint u = as_type<uint>(x);
+  const uint key = (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
+  uint c = uint(table[512 + (key >> 20)]);
+  while (c < 255 && table[256 + c] < x) {
+    ++c;
+  }
+  return c;
+}
+
+// max(acc, a) that turns NaN once any element is NaN (as torch's amax does).
+inline float nan_max(float acc, float a) {
+  return (a > acc || a != a) && acc == acc ? a : acc;
+}
+
+template <typename P>
+inline void store_param8(device P* dst, float x, constant Adam8bitParams&, ulong) {
+  *dst = P(x);
+}
+#if __METAL_VERSION__ >= 310
+inline void store_param8(device bfloat* dst, float x, constant Adam8bitParams& hp, ulong index) {
+  if (hp.sr != 0) {
+    *(device ushort*)dst = ParamStore<AdamSRRule>::round1(x, hp.sr_key, index);
+  } else {
+    *dst = bfloat(x);
+  }
+}
+#endif
+
+template <typename Rule, typename P, typename S>
+kernel void fused_step_8bit(device P* param [[buffer(0)]],
+                            device const P* grad [[buffer(1)]],
+                            device S* codes1 [[buffer(2)]],
+                            device S* codes2 [[buffer(3)]],
+                            device float* absmax1 [[buffer(4)]],
+                            device float* absmax2 [[buffer(5)]],
+                            device const float* map1 [[buffer(6)]],
+                            device const float* map2 [[buffer(7)]],
+                            constant typename Rule::Params& hp [[buffer(8)]],
+                            constant ulong& base [[buffer(9)]],
+                            constant ulong& n [[buffer(10)]],
+                            uint tid [[thread_position_in_grid]]) {
+  const ulong lo = base + ulong(tid) * 4;
+  if (lo % 256 != 0 || lo >= n) {
+    return;
+  }
+  const ulong hi = n - lo < 256 ? n : lo + 256;
+  const ulong b = lo >> 8;  // the block: 256 elements
+  const float a1 = absmax1[b];
+  const float a2 = absmax2[b];
+  float mx1 = 0.0f;
+  float mx2 = 0.0f;
+  for (ulong i = lo; i < hi; ++i) {
+    float p = float(param[i]);
+    float m = map1[codes1[i]] * a1;
+    float v = map2[codes2[i]] * a2;
+    Rule::apply(p, float(grad[i]), m, v, hp);
+    mx1 = nan_max(mx1, fabs(m));
+    mx2 = nan_max(mx2, fabs(v));
+  }
+  const float inv1 = mx1 == 0.0f ? 0.0f : metal::precise::divide(1.0f, mx1);
+  const float inv2 = mx2 == 0.0f ? 0.0f : metal::precise::divide(1.0f, mx2);
+  for (ulong i = lo; i < hi; ++i) {
+    float p = float(param[i]);
+    float m = map1[codes1[i]] * a1;
+    float v = map2[codes2[i]] * a2;
+    Rule::apply(p, float(grad[i]), m, v, hp);
+    store_param8(param + i, p, hp, i);
+    codes1[i] = S(code_of(m * inv1, map1));
+    const float x2 = v * inv2;
+    uint c2 = code_of(x2, map2);
+    if (c2 == 0 && x2 > 0.0f) {
+      c2 = 1;  // a positive second moment is never stored as zero
+    }
+    codes2[i] = S(c2);
+  }
+  absmax1[b] = mx1;
+  absmax2[b] = mx2;
+}
+
 // The instantiation lists: X(kernel shape, rule struct, rule name, P, S), one line per rule x
 // dtype pair; host name fused_<rule>_<P>_<S>. The host emulator expands the same lists.
 #define FUSED_KERNELS(X)                               \
@@ -253,7 +452,9 @@ kernel void fused_step_1(device P* param [[buffer(0)]],
   X(fused_step_1, LionRule, lion, half, half)          \
   X(fused_step_1, AdagradRule, adagrad, float, float)  \
   X(fused_step_1, AdagradRule, adagrad, half, float)   \
-  X(fused_step_1, AdagradRule, adagrad, half, half)
+  X(fused_step_1, AdagradRule, adagrad, half, half)    \
+  X(fused_step_8bit, Adam8bitRule, adam8bit, float, uchar) \
+  X(fused_step_8bit, Adam8bitRule, adam8bit, half, uchar)
 // bfloat needs Metal 3.1 (macOS 14).
 #define FUSED_KERNELS_BFLOAT(X)                          \
   X(fused_step_2, AdamRule, adam, bfloat, float)         \
@@ -261,7 +462,10 @@ kernel void fused_step_1(device P* param [[buffer(0)]],
   X(fused_step_1, LionRule, lion, bfloat, float)         \
   X(fused_step_1, LionRule, lion, bfloat, bfloat)        \
   X(fused_step_1, AdagradRule, adagrad, bfloat, float)   \
-  X(fused_step_1, AdagradRule, adagrad, bfloat, bfloat)
+  X(fused_step_1, AdagradRule, adagrad, bfloat, bfloat) \
+  X(fused_step_2, AdamSRRule, adam_sr, bfloat, float)   \
+  X(fused_step_2, AdamSRRule, adam_sr, bfloat, bfloat) \
+  X(fused_step_8bit, Adam8bitRule, adam8bit, bfloat, uchar)
 
 #define FUSED_INSTANTIATE(SHAPE, RULE, NAME, P, S)                                   \
   template [[host_name("fused_" #NAME "_" #P "_" #S)]] [[kernel]] decltype(SHAPE<RULE, P, S>) \

@@ -28,6 +28,17 @@
 
 typedef uint32_t uint;
 typedef uint64_t ulong;
+typedef uint16_t ushort;
+typedef uint8_t uchar;
+
+// Metal's bit reinterpretation between types of one size.
+template <typename T, typename U>
+inline T as_type(U u) {
+  static_assert(sizeof(T) == sizeof(U), "as_type needs types of one size");
+  T t;
+  std::memcpy(&t, &u, sizeof t);
+  return t;
+}
 
 // g++ 12 on x86-64 implements _Float16 with round-to-nearest-even conversions from float.
 typedef _Float16 half;
@@ -88,6 +99,7 @@ typedef vec4<bfloat> packed_bfloat4;
 namespace metal {
 // Correctly rounded, as IEEE requires of sqrt (and as Metal's precise sqrt is meant to be).
 inline float sqrt(float x) { return std::sqrt(x); }
+inline float fabs(float x) { return std::fabs(x); }
 namespace precise {
 // metal::precise:: forms: correctly rounded sqrt and division, whatever the math mode.
 inline float sqrt(float x) { return std::sqrt(x); }

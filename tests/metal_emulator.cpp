@@ -26,6 +26,15 @@ void launch_fused_step_1(void* const* b, const void* hp, ulong base, ulong n, ui
                            *static_cast<const typename Rule::Params*>(hp), base, n, gid);
 }
 
+// The 8-bit Adam kernel: param, grad, two code buffers, two scale buffers, two map tables.
+template <typename Rule, typename P, typename S>
+void launch_fused_step_8bit(void* const* b, const void* hp, ulong base, ulong n, uint gid) {
+  fused_step_8bit<Rule, P, S>(static_cast<P*>(b[0]), static_cast<const P*>(b[1]), static_cast<S*>(b[2]),
+                              static_cast<S*>(b[3]), static_cast<float*>(b[4]), static_cast<float*>(b[5]),
+                              static_cast<const float*>(b[6]), static_cast<const float*>(b[7]),
+                              *static_cast<const typename Rule::Params*>(hp), base, n, gid);
+}
+
 template <void (*Launch)(void* const*, const void*, ulong, ulong, uint)>
 void run_grid(void* const* buffers, const void* hp, ulong base, ulong n, uint64_t threads, uint64_t group,
               int reverse) {

@@ -18,8 +18,10 @@ import torch
 
 from emulated_mps import METAL_SOURCE, Emulator, build_emulator, compile_emulator, find_compiler, host_names
 from mps_fused_adam.contract import RULES, AdagradHyper, AdamHyper, LionHyper
-from mps_fused_adam.mps_backends import KERNELS, pack_params
+from mps_fused_adam import lowbit
+from mps_fused_adam.mps_backends import KERNELS, METAL_RULES, pack_params
 from mps_fused_adam.reference import reference_adam_
+from mps_fused_adam.reference_lowbit import reference_adam8bit_, reference_adam_sr_
 
 # (param dtype, state dtype) of every instantiation in fused_adam.metal.
 VARIANTS = [(torch.float32, torch.float32), (torch.float16, torch.float32),
@@ -91,18 +93,27 @@ def test_kernel_names_agree(emu):
     """What the source exports, what the emulator runs and what the Python tiers call are one set."""
     exported = host_names(METAL_SOURCE.read_text())
     assert sorted(exported) == sorted(emu.kernel_names) == sorted(KERNELS.values())
-    assert len(exported) == 5 * len(RULES)
+    # Five dtype pairs per rule, Adam with stochastic rounding for the two bf16-param pairs, and
+    # 8-bit Adam for the three param dtypes.
+    assert len(exported) == 5 * len(RULES) + 2 + 3
+    assert {f"fused_adam8bit_{p}_uchar" for p in ("float", "half", "bfloat")} <= set(exported)
+    assert {"fused_adam_sr_bfloat_float", "fused_adam_sr_bfloat_bfloat"} <= set(exported)
     # Before Metal 3.1 (no bfloat type) only the float and half kernels exist.
     assert sorted(host_names(METAL_SOURCE.read_text(), metal_version=300)) == sorted(
-        f"fused_{rule}_{pair}" for rule in RULES for pair in ("float_float", "half_float", "half_half"))
+        [f"fused_{rule}_{pair}" for rule in RULES for pair in ("float_float", "half_float", "half_half")]
+        + ["fused_adam8bit_float_uchar", "fused_adam8bit_half_uchar"])
 
 
 def test_params_struct_size(emu):
     """Every kernel's Params struct is its rule's packed scalars, byte for byte in size, and
     takes param, grad and the rule's states."""
+    hypers = {**RULE_HYPER, "adam_sr": lowbit.AdamSRHyper(RULE_HYPER["adam"], 0xDEADBEEF),
+              "adam8bit": lowbit.Adam8bitTensorHyper(RULE_HYPER["adam"], 7)}
     for (rule, _, _), name in KERNELS.items():
-        assert emu.params_size[name] == len(RULES[rule].pack(RULE_HYPER[rule]))
-        assert emu.buffer_count[name] == 2 + len(RULES[rule].states)
+        assert emu.params_size[name] == len(METAL_RULES[rule].pack(hypers[rule]))
+        assert emu.buffer_count[name] == 2 + len(METAL_RULES[rule].states)
+    assert emu.params_size["fused_adam_sr_bfloat_float"] == 48
+    assert emu.params_size["fused_adam8bit_float_uchar"] == 56
     assert emu.params_size["fused_adam_float_float"] == 44
 
 
@@ -250,6 +261,12 @@ def test_every_line_of_the_kernel_runs(tmp_path):
                 # Specials in the first 40 elements: every branch of Lion's sign runs.
                 p, g, st = rule_tensors(rule, 46, pdtype, sdtype, specials=True)
                 cov.run_tensors(p, g, st, None, RULES[rule].pack(rule_hyper(rule, 1, maximize, wd)), rule=rule)
+    for sdtype in (torch.float32, torch.bfloat16):
+        run_sr(cov, 6, sdtype, MODES[0], steps=1, specials=True)
+    for pdtype in (torch.float32, torch.float16, torch.bfloat16):
+        for mode in (MODES[0], MODES[5]):
+            for sr in ((False, True) if pdtype is torch.bfloat16 else (False,)):
+                run_8bit(cov, 300, pdtype, mode, sr=sr, steps=1, specials=True)
     cov.lib.emu_coverage_dump()
     proc = subprocess.run([gcov, "-m", "-o", str(tmp_path), str(Path(__file__).parent / "metal_emulator.cpp")],
                           cwd=tmp_path, capture_output=True, text=True)
@@ -260,6 +277,163 @@ def test_every_line_of_the_kernel_runs(tmp_path):
     # Each instantiation shows up as its own block; all kernels must have run. (gcov's
     # demangler leaves the _Float16 ones mangled.)
     kernels = re.findall(r"^(?:void fused_step_[12]<[^>]*>|_Z12fused_step_[12]\w+)", report, flags=re.M)
-    assert len(kernels) == 5 * len(RULES), kernels
+    assert len(kernels) == 5 * len(RULES) + 2, kernels
+    # gcov shows the 8-bit kernel's lines merged over its instantiations: each one was dispatched.
+    assert {d["name"] for d in cov.dispatches} >= {f"fused_adam8bit_{p}_uchar" for p in ("float", "half", "bfloat")}
     executed = [int(c) for c in re.findall(r"^\s*(\d+)\*?:\s+\d+:\s+Rule::apply\(", report, re.M)]
     assert executed and all(c > 0 for c in executed)
+
+
+# ---- Adam with the bf16 parameter stored by stochastic rounding (lowbit.py) -------------------
+
+SR_STATES = [torch.float32, torch.bfloat16]
+
+
+def run_sr(emu: Emulator, n: int, sdtype, mode: dict, seed: int = 0, steps: int = STEPS, specials: bool = False,
+           **dispatch_kw):
+    """``steps`` steps of fused_adam_sr_bfloat_* and of the reference, each with its own key."""
+    p, m, v = make_state(n, torch.bfloat16, sdtype, seed)
+    if specials:
+        p[:3] = torch.tensor([float("nan"), float("inf"), 0.0])
+    ours = [p.clone(), m.clone(), v.clone()]
+    ref = [p.clone(), m.clone(), v.clone()]
+    for step, g in enumerate(grads(n, torch.bfloat16, seed, steps), start=1):
+        hp = hyper(step, **mode)
+        key = lowbit.sr_key(0x0123456789ABCDEF + seed, step)
+        emu.run_tensors(ours[0], g, ours[1], ours[2], pack_params(lowbit.AdamSRHyper(hp, key), "adam_sr"),
+                        rule="adam_sr", **dispatch_kw)
+        reference_adam_sr_(ref[0], g, ref[1], ref[2], hp, key)
+    return ours, ref
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 4097])
+@pytest.mark.parametrize("mode", [MODES[0], MODES[3], MODES[5]], ids=[MODE_IDS[0], MODE_IDS[3], MODE_IDS[5]])
+@pytest.mark.parametrize("sdtype", SR_STATES, ids=["bf16sr-f32", "bf16sr-bf16"])
+def test_stochastic_rounding_kernel_matches_reference_bitwise(emu, n, mode, sdtype):
+    ours, ref = run_sr(emu, n, sdtype, mode, seed=n)
+    assert_bitwise(ours, ref)
+    if n == 4097:
+        # Not round to nearest: the same steps with the plain Adam kernel store other bits.
+        plain, _ = run_both(emu, n, torch.bfloat16, sdtype, mode, seed=n)
+        assert (bits(plain[0]) != bits(ours[0])).any()
+
+
+@pytest.mark.parametrize("group", [1, 7, 256])
+def test_stochastic_rounding_independent_of_threadgroups_and_order(emu, group):
+    want, _ = run_sr(emu, 4099, torch.float32, MODES[0], seed=3)
+    got, _ = run_sr(emu, 4099, torch.float32, MODES[0], seed=3, group=group, reverse=True)
+    assert_bitwise(got, want)
+
+
+def test_stochastic_rounding_specials_and_indices_past_2_pow_32(emu):
+    """NaN stores 0x7FC0, Inf and zero stay; elements past 2^32 hash the high index word (a
+    dispatch at base > 2^32 over memory addressed from a virtual start, as in the Adam test)."""
+    ours, ref = run_sr(emu, 9, torch.float32, MODES[0], steps=1, specials=True)
+    assert_bitwise(ours, ref)
+    assert bits(ours[0])[0].item() == 0x7FC0 and ours[0][1].item() == float("inf")
+    base, count = (1 << 32) + (1 << 30), 4099
+    p, m, v = make_state(count, torch.bfloat16, torch.float32, 5)
+    g = grads(count, torch.bfloat16, 5, 1)[0]
+    hp, key = hyper(1, adam_w_mode=True), 0x9E3779B9
+    ours = [p.clone(), m.clone(), v.clone()]
+    addrs = tuple((t.data_ptr() - base * t.element_size()) % 2**64 for t in (ours[0], g, ours[1], ours[2]))
+    emu.dispatch("fused_adam_sr_bfloat_float", addrs, pack_params(lowbit.AdamSRHyper(hp, key), "adam_sr"),
+                 base, base + count, -(-count // 4), 256)
+    # The reference at the same indices: Adam in fp32, then the contract's rounding of index base + j.
+    p32, m32, v32 = p.float(), m.clone(), v.clone()
+    reference_adam_(p32, g, m32, v32, hp)
+    u = p32.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    r = lowbit.sr_bits(key, torch.arange(base, base + count, dtype=torch.int64))
+    want = (((u + r) >> 16) & 0xFFFF).to(torch.int16)
+    assert torch.equal(bits(ours[0]), want) and torch.equal(ours[1], m32) and torch.equal(ours[2], v32)
+    # The low index word alone would give other bits for some elements.
+    r_low = lowbit.sr_bits(key, torch.arange(base, base + count, dtype=torch.int64) & 0xFFFFFFFF)
+    assert not torch.equal(r, r_low)
+
+
+# ---- 8-bit block-wise Adam (lowbit.py) ---------------------------------------------------------
+
+P8 = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def make_8bit(n: int, pdtype, seed: int, specials: bool = False):
+    """A param and 8-bit states as after some steps: random codes, positive block scales (one
+    block all zero, so a zero scale is covered); specials put NaN, Inf and zero in the param."""
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.randn(n, generator=gen).to(pdtype)
+    blocks = lowbit.num_blocks(n)
+    c1 = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)
+    c2 = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)
+    a1 = 0.1 * torch.rand(blocks, generator=gen) + 0.01
+    a2 = 0.01 * torch.rand(blocks, generator=gen) + 1e-4
+    if blocks > 1:
+        c1[256:512] = lowbit.SIGNED_ZERO_CODE
+        c2[256:512] = lowbit.UNSIGNED_ZERO_CODE
+        a1[1] = a2[1] = 0.0
+    if specials:
+        p[:3] = torch.tensor([float("nan"), float("inf"), 0.0])
+        # One huge second moment in block 0: the others quantize below the first code's midpoint,
+        # and a positive one takes code 1, not 0.
+        c2[:min(n, 256)] = lowbit.UNSIGNED_ZERO_CODE
+        c2[min(n, 256) - 1] = 255
+        a2[0] = 1e6
+    return [p, c1, c2, a1, a2]
+
+
+def run_8bit(emu: Emulator, n: int, pdtype, mode: dict, sr: bool = False, seed: int = 0, steps: int = STEPS,
+             specials: bool = False, group: int = 256, reverse: bool = False, split: bool = False):
+    """``steps`` steps of fused_adam8bit_*_uchar (one dispatch, or two split at a block boundary)
+    and of reference_adam8bit_ from the same state."""
+    start = make_8bit(n, pdtype, seed, specials)
+    ours = [t.clone() for t in start]
+    ref = [t.clone() for t in start]
+    tables = (lowbit.kernel_table(True), lowbit.kernel_table(False))
+    name = f"fused_adam8bit_{ {torch.float32: 'float', torch.float16: 'half', torch.bfloat16: 'bfloat'}[pdtype] }_uchar"
+    for step, g in enumerate(grads(n, pdtype, seed, steps), start=1):
+        hp = hyper(step, **mode)
+        key = lowbit.sr_key(0xFEEDFACE + seed, step) if sr else None
+        packed = pack_params(lowbit.Adam8bitTensorHyper(hp, key), "adam8bit")
+        p, c1, c2, a1, a2 = ours
+        addrs = tuple(t.data_ptr() for t in (p, g, c1, c2, a1, a2, *tables))
+        threads = -(-n // 4)
+        if split and n > 256:
+            emu.dispatch(name, addrs, packed, 0, n, 64, group, reverse)  # block 0 only
+            emu.dispatch(name, addrs, packed, 256, n, -(-(n - 256) // 4), group, reverse)
+        else:
+            emu.dispatch(name, addrs, packed, 0, n, threads, group, reverse)
+        reference_adam8bit_(ref[0], g, ref[1], ref[3], ref[2], ref[4], hp, key)
+    return ours, ref
+
+
+def assert_8bit_equal(ours, ref):
+    for name, a, b in zip(("param", "exp_avg codes", "exp_avg_sq codes", "exp_avg absmax", "exp_avg_sq absmax"),
+                          ours, ref):
+        a_bits = a.view(torch.uint8) if a.dtype is torch.uint8 else bits(a)
+        b_bits = b.view(torch.uint8) if b.dtype is torch.uint8 else bits(b)
+        diff = (a_bits != b_bits).nonzero()
+        assert diff.numel() == 0, f"{name}: {diff.numel()} of {a.numel()} differ, first at {diff[0].item()}"
+
+
+@pytest.mark.parametrize("n", [1, 5, 256, 257, 1000, 4097])
+@pytest.mark.parametrize("mode", [MODES[0], MODES[3], MODES[5]], ids=[MODE_IDS[0], MODE_IDS[3], MODE_IDS[5]])
+@pytest.mark.parametrize("pdtype", P8, ids=["f32", "f16", "bf16"])
+def test_8bit_kernel_matches_reference_bitwise(emu, n, mode, pdtype):
+    ours, ref = run_8bit(emu, n, pdtype, mode, seed=n)
+    assert_8bit_equal(ours, ref)
+
+
+@pytest.mark.parametrize("n", [300, 4097])
+def test_8bit_kernel_with_stochastic_rounding_matches_reference(emu, n):
+    ours, ref = run_8bit(emu, n, torch.bfloat16, MODES[0], sr=True, seed=n, specials=True)
+    assert_8bit_equal(ours, ref)
+    assert ours[0][0].isnan() and (ours[2][3:255] == 1).all()  # the positive-moment rule ran
+    plain, _ = run_8bit(emu, n, torch.bfloat16, MODES[0], sr=False, seed=n, specials=True)
+    assert (bits(plain[0]) != bits(ours[0])).any()  # the switch does round stochastically
+
+
+@pytest.mark.parametrize("group,reverse,split", [(1, True, False), (7, True, False), (64, False, True),
+                                                 (1024, True, True)])
+def test_8bit_kernel_independent_of_threadgroups_order_and_dispatch_split(emu, group, reverse, split):
+    want, _ = run_8bit(emu, 4099, torch.float32, MODES[0], seed=3)
+    got, _ = run_8bit(emu, 4099, torch.float32, MODES[0], seed=3, group=group, reverse=reverse, split=split)
+    assert_8bit_equal(got, want)

@@ -226,7 +226,8 @@ def test_library_without_bfloat_kernels_is_refused(emu, pkg):
     backend, msgs = _select(mps_tiers(load_ext=lambda: FakeMetalExt(emu), mps_api=FakeMpsApi(emu),
                                       package_dir=pkg))
     assert backend.name == "foreach"
-    missing = sorted(f"fused_{rule}_bfloat_{s}" for rule in ("adam", "lion", "adagrad") for s in ("bfloat", "float"))
+    missing = sorted([f"fused_{rule}_bfloat_{s}" for rule in ("adam", "adam_sr", "lion", "adagrad")
+                      for s in ("bfloat", "float")] + ["fused_adam8bit_bfloat_uchar"])
     assert f"lacks kernels {missing}" in msgs[2]
 
 

@@ -72,3 +72,83 @@ def test_bad_input_rejected_before_anything_is_encoded(metal_backend):
     assert len(ext.calls) == calls_before
     assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
     assert all(opt.state[p]["step"] == 1 for p in params)
+
+
+@pytest.mark.parametrize("cls", [mfa.AdamW, mfa.FusedAdam])
+def test_bf16_stochastic_rounding_through_metal_tier_matches_reference(metal_backend, emu, cls):
+    """bf16_stochastic_round on a Metal tier: fused_adam_sr_bfloat_* once per bf16 tensor (each
+    has its own key), bit for bit the reference; other dtypes of the group keep the Adam kernel."""
+    from mps_fused_adam import lowbit
+    from mps_fused_adam.reference_lowbit import reference_adam_sr_
+    backend, ext = metal_backend
+    gen = torch.Generator().manual_seed(8)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(d))
+              for s, d in (((33, 7), torch.bfloat16), ((4097,), torch.bfloat16), ((5,), torch.float32))]
+    params.append(torch.nn.Parameter(torch.randn(40, 6, generator=gen).bfloat16().t()))  # non-contiguous
+    refs = [[p.detach().clone(), None, torch.zeros_like(p), torch.zeros_like(p)] for p in params]
+    opt = cls(params, lr=1e-2, weight_decay=0.1, bf16_stochastic_round=True)
+    before = len(emu.dispatches)
+    for step in (1, 2, 3):
+        for p, r in zip(params, refs):
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+            r[1] = p.grad.clone()
+        opt.step()
+        for p, r in zip(params, refs):
+            hp = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.1, step, adam_w_mode=True)
+            key = lowbit.sr_key(opt.state[p]["sr_seed"], step) if p.dtype is torch.bfloat16 else None
+            reference_adam_sr_(*r, hp, key)
+    for p, r in zip(params, refs):
+        assert torch.equal(p.detach().contiguous().view(torch.uint8), r[0].contiguous().view(torch.uint8)), p.dtype
+        assert torch.equal(opt.state[p]["exp_avg_sq"], r[3])
+    # Every tier ran the stochastic-rounding kernel for the three bf16 tensors at each step.
+    assert sum(d["name"] == "fused_adam_sr_bfloat_bfloat" for d in emu.dispatches[before:]) == 3 * 3
+    if backend.name == "metal":
+        names = [c[0] for c in ext.calls]
+        assert names.count("fused_adam_sr_bfloat_bfloat") == 3 * 3 and "fused_adam_float_float" in names
+
+
+@pytest.mark.parametrize("sr", [False, True], ids=["rne", "sr"])
+def test_adamw8bit_through_metal_tier_matches_reference(metal_backend, emu, sr):
+    """AdamW8bit on a Metal tier: fused_adam8bit_*_uchar per 8-bit tensor (one dispatch each),
+    the Adam kernels for a tensor under min_8bit_size; bit for bit the references."""
+    from mps_fused_adam import lowbit
+    from mps_fused_adam.reference_lowbit import reference_adam8bit_, reference_adam_sr_
+    gen = torch.Generator().manual_seed(9)
+    shapes = (((64, 80), torch.bfloat16), ((4097,), torch.float32), ((300,), torch.float16), ((7,), torch.bfloat16))
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(d)) for s, d in shapes]
+    params.append(torch.nn.Parameter(torch.randn(90, 50, generator=gen).bfloat16().t()))  # non-contiguous
+    opt = mfa.AdamW8bit(params, lr=1e-2, weight_decay=0.1, min_8bit_size=256, bf16_stochastic_round=sr)
+    before = len(emu.dispatches)
+    refs = None
+    for step in (1, 2, 3):
+        grads = [torch.randn(p.shape, generator=gen).to(p.dtype) for p in params]
+        if refs is None:  # the reference states are made after the first step, in the states' layout
+            refs = [[p.detach().clone()] for p in params]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        hp = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.1, step, adam_w_mode=True)
+        for p, g, r in zip(params, grads, refs):
+            st = opt.state[p]
+            key = lowbit.sr_key(st["sr_seed"], step) if sr and p.dtype is torch.bfloat16 else None
+            if step == 1:  # the states a first step starts from
+                if "exp_avg_codes" in st:
+                    r += [torch.full_like(st["exp_avg_codes"], lowbit.SIGNED_ZERO_CODE),
+                          torch.zeros_like(st["exp_avg_absmax"]),
+                          torch.full_like(st["exp_avg_sq_codes"], lowbit.UNSIGNED_ZERO_CODE),
+                          torch.zeros_like(st["exp_avg_sq_absmax"])]
+                else:
+                    r += [torch.zeros(p.shape), torch.zeros(p.shape)]
+            if len(r) == 5:
+                reference_adam8bit_(r[0], g, *r[1:], hp, key)
+            else:
+                reference_adam_sr_(r[0], g, r[1], r[2], hp, key)
+    for p, r in zip(params, refs):
+        st = opt.state[p]
+        assert torch.equal(p.detach().contiguous().view(torch.uint8), r[0].contiguous().view(torch.uint8)), p.shape
+        if "exp_avg_codes" in st:
+            assert torch.equal(st["exp_avg_codes"], r[1]) and torch.equal(st["exp_avg_sq_absmax"], r[4])
+    names = [d["name"] for d in emu.dispatches[before:]]
+    assert sum(n.startswith("fused_adam8bit_") for n in names) == 3 * 4
+    if sr:
+        assert names.count("fused_adam_sr_bfloat_float") == 3  # the small bf16 tensor

@@ -9,7 +9,7 @@ from ._version import __version__
 
 # The submodule of each public name, imported on first use (PEP 562): `python -m mps_fused_adam
 # --help` runs this file first and must answer without importing torch (a second or more).
-_PUBLIC = {"Adagrad": "optim", "Adam": "optim", "AdamW": "optim", "CPUAdam": "optim", "FusedAdam": "optim",
+_PUBLIC = {"Adagrad": "optim", "Adam": "optim", "Adam8bit": "optim8bit", "AdamW": "optim", "AdamW8bit": "optim8bit", "CPUAdam": "optim", "FusedAdam": "optim",
            "FusedLion": "optim", "Lion": "optim", "backend_info": "backends"}
 
 __all__ = [*_PUBLIC, "__version__"]

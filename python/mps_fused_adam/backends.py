@@ -157,11 +157,13 @@ class CPUBackend:
             warnings.warn(f"mps_fused_adam: MPS_FUSED_ADAM_SIMD={wanted!r} {why} "
                           f"(supported here: {', '.join(_cpu.simd_paths())}); using {self.simd}", RuntimeWarning)
 
-    def update(self, rule: str, params, grads, states, hp) -> None:
+    def update(self, rule: str, params, grads, states, hp, sr_keys=None) -> None:
+        """``sr_keys``: for bf16 params, one ``lowbit.sr_key`` per param to store them by
+        stochastic rounding (lowbit.py's contract); None rounds to nearest even."""
         self._cpu.step(
             rule, addresses(params), addresses(grads), [addresses(lst) for lst in states], numels(params),
             _DTYPE_CODES[params[0].dtype], _DTYPE_CODES[states[0][0].dtype],
-            rule_spec(rule).pack(hp), torch.get_num_threads(),
+            rule_spec(rule).pack(hp), torch.get_num_threads(), sr_keys,
         )
 
 

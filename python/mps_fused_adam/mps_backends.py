@@ -28,6 +28,7 @@ import torch
 
 from .backends import addresses, numels
 from .contract import RULES, AdamHyper, rule as rule_spec
+from .lowbit import ADAM8BIT, ADAM_SR
 
 ELEMS_PER_THREAD = 4
 # 2^30 threads cover 2^32 elements: thread_position_in_grid is a 32-bit uint, and keeping each
@@ -48,11 +49,20 @@ METAL_SOURCE_NAME = "fused_adam.metal"
 # Storage dtype names as the kernels' host names spell them.
 _DTYPE_NAMES = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat"}
 
-# (rule, param dtype, state dtype) -> kernel host name; states are fp32 or the param dtype.
+# The rules the Metal kernels run: contract.RULES, and Adam storing a bf16 param by stochastic
+# rounding (lowbit.ADAM_SR, bf16 params only).
+METAL_RULES = {**RULES, ADAM_SR.name: ADAM_SR, ADAM8BIT.name: ADAM8BIT}
+
+# (rule, param dtype, state dtype) -> kernel host name; states are fp32 or the param dtype
+# (8-bit Adam: uint8 codes, any param dtype).
 KERNELS = {
     (r, p, s): f"fused_{r}_{_DTYPE_NAMES[p]}_{_DTYPE_NAMES[s]}"
     for r in RULES for p in _DTYPE_NAMES for s in (torch.float32, p)
 }
+KERNELS.update({(ADAM_SR.name, torch.bfloat16, s): f"fused_{ADAM_SR.name}_bfloat_{_DTYPE_NAMES[s]}"
+                for s in (torch.float32, torch.bfloat16)})
+KERNELS.update({(ADAM8BIT.name, p, torch.uint8): f"fused_{ADAM8BIT.name}_{_DTYPE_NAMES[p]}_uchar"
+                for p in _DTYPE_NAMES})
 
 
 # torch compiles tier 3's source with fast math when this is set to a non-zero value (torch 2.13:
@@ -88,7 +98,8 @@ def kernel_name(rule: str, param_dtype: torch.dtype, state_dtype: torch.dtype) -
 def pack_params(hp: AdamHyper, rule: str = "adam") -> bytes:
     """The rule's scalar struct as the kernels read it (Adam: 44 bytes, little-endian as on every
     Apple GPU)."""
-    return rule_spec(rule).pack(hp)
+    spec = METAL_RULES.get(rule)
+    return (spec or rule_spec(rule)).pack(hp)  # rule_spec: a KeyError naming the known rules
 
 
 def params_as_words(packed: bytes) -> list[int]:

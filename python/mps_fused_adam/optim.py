@@ -147,6 +147,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
         work = []
         for gi, group in enumerate(self.param_groups):
             self._check_group(group, f"param_groups[{gi}]")
+            if group.get("bf16_stochastic_round"):
+                # Stochastic rounding needs a fresh per-tensor key each step, which the cached
+                # plans do not carry: such groups always take the full path and are not planned.
+                plans.pop(gi, None)
+                work.append((gi, group, None, self._plan_group(gi, group)))
+                continue
             plan = plans.get(gi)
             fast = step_plan.check(plan, group["params"]) if isinstance(plan, step_plan.Plan) else None
             work.append((gi, group, plan, fast) if fast is not None else (gi, group, plan, self._plan_group(gi, group)))
@@ -156,7 +162,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 self._step_planned(group, plan, planned)
             else:
                 self._step_full(group, *planned[1:])
-                replan.append((gi, group, plan))
+                if not group.get("bf16_stochastic_round"):
+                    replan.append((gi, group, plan))
         if replan:
             self._replan(plans, replan)
         return loss
@@ -189,12 +196,17 @@ class _FusedOptimizer(torch.optim.Optimizer):
             for k, name in enumerate(names):
                 bucket[2 + k].append(st[name])
             bucket[-1].append(st)
-        for (device, _, _, last_step), bucket in buckets.items():
+        sr = bool(group.get("bf16_stochastic_round"))
+        for (device, pdtype, _, last_step), bucket in buckets.items():
             step = int(last_step) + 1
             for st in bucket[-1]:
                 st["step"] = step
-            update_staged(get_backend(device), self._rule, bucket[0], bucket[1], list(bucket[2:-1]),
-                          self._hyper(group, step))
+            if sr and pdtype is torch.bfloat16:
+                # Only the Adam rule has this option (_AdamBase's group key).
+                _stochastic_round_step(device, *bucket, self._hyper(group, step))
+            else:
+                update_staged(get_backend(device), self._rule, bucket[0], bucket[1], list(bucket[2:-1]),
+                              self._hyper(group, step))
 
     def _step_plans(self) -> dict[int, Any]:
         """The groups' cached plans, or none when the optimizer's state dict has changed since they
@@ -294,6 +306,33 @@ class _AdamBase(_FusedOptimizer):
                          maximize=bool(group["maximize"]))
 
 
+def _stochastic_round_step(device: torch.device, ps: list, gs: list, ms: list, vs: list, states: list,
+                           hp: AdamHyper) -> None:
+    """Adam with bf16 params stored by stochastic rounding (lowbit.py's contract): the CPU kernel
+    for contiguous CPU tensors, the Metal kernels ``fused_adam_sr_bfloat_*`` on the Metal tiers
+    (one dispatch per tensor: the key is per tensor), else the plain-torch reference one tensor
+    at a time. Each param gets its own 64-bit seed in its state (``sr_seed``) on its first such
+    step."""
+    from . import lowbit
+    from .backends import CPUBackend
+    from .mps_backends import MetalExtBackend, ShaderLibraryBackend
+    from .reference_lowbit import reference_adam_sr_
+    for st in states:
+        if "sr_seed" not in st:
+            st["sr_seed"] = lowbit.new_sr_seed()
+    keys = [lowbit.sr_key(int(st["sr_seed"]), hp.step) for st in states]
+    backend = get_backend(device)
+    if isinstance(backend, CPUBackend) and all(t.is_contiguous() for lst in (ps, gs, ms, vs) for t in lst):
+        backend.update("adam", ps, gs, [ms, vs], hp, sr_keys=keys)
+        return
+    if isinstance(backend, (MetalExtBackend, ShaderLibraryBackend)):
+        for p, g, m, v, key in zip(ps, gs, ms, vs, keys):
+            update_staged(backend, lowbit.ADAM_SR.name, [p], [g], [[m], [v]], lowbit.AdamSRHyper(hp, key))
+        return
+    for p, g, m, v, key in zip(ps, gs, ms, vs, keys):
+        reference_adam_sr_(p, g, m, v, hp, key)
+
+
 def _reject(option: str, value: Any, cls: str) -> None:
     raise ValueError(f"{cls} does not support {option}={value!r}; mps_fused_adam implements plain Adam "
                      f"(use torch.optim.{cls} for {option})")
@@ -302,7 +341,11 @@ def _reject(option: str, value: Any, cls: str) -> None:
 class Adam(_AdamBase):
     """Drop-in for ``torch.optim.Adam``: same arguments and defaults, L2 weight decay unless
     ``decoupled_weight_decay=True``. ``foreach`` and ``fused`` are accepted and ignored (this is
-    always fused); ``amsgrad``, ``capturable`` and ``differentiable`` are rejected."""
+    always fused); ``amsgrad``, ``capturable`` and ``differentiable`` are rejected.
+
+    ``bf16_stochastic_round=True``: bf16 parameters are stored from the fp32 update by stochastic
+    rounding (unbiased; random bits from a hash of the param's ``sr_seed`` state, the step and the
+    element index: reproducible under ``torch.manual_seed``); other dtypes are unaffected."""
 
     _name = "Adam"
 
@@ -310,11 +353,11 @@ class Adam(_AdamBase):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0,
                  amsgrad: bool = False, *, foreach: Optional[bool] = None, maximize: bool = False,
                  capturable: bool = False, differentiable: bool = False, fused: Optional[bool] = None,
-                 decoupled_weight_decay: bool = False) -> None:
+                 decoupled_weight_decay: bool = False, bf16_stochastic_round: bool = False) -> None:
         self._check_unsupported(amsgrad, capturable, differentiable)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                       adam_w_mode=decoupled_weight_decay, bias_correction=True,
-                                      maximize=maximize))
+                                      maximize=maximize, bf16_stochastic_round=bool(bf16_stochastic_round)))
 
     def _check_unsupported(self, amsgrad: bool, capturable: bool, differentiable: bool) -> None:
         for option, value in (("amsgrad", amsgrad), ("capturable", capturable), ("differentiable", differentiable)):
@@ -330,24 +373,28 @@ class AdamW(Adam):
     def __init__(self, params: _Params, lr: float | torch.Tensor = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
                  amsgrad: bool = False, *, maximize: bool = False, foreach: Optional[bool] = None,
-                 capturable: bool = False, differentiable: bool = False, fused: Optional[bool] = None) -> None:
+                 capturable: bool = False, differentiable: bool = False, fused: Optional[bool] = None,
+                 bf16_stochastic_round: bool = False) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          maximize=maximize, capturable=capturable, differentiable=differentiable,
-                         decoupled_weight_decay=True)
+                         decoupled_weight_decay=True, bf16_stochastic_round=bf16_stochastic_round)
 
 
 class FusedAdam(_AdamBase):
     """DeepSpeed's ``FusedAdam`` signature, on any device: Metal on MPS, the C++ kernel on CPU,
-    torch's fused kernel or the fp32 foreach tier elsewhere. States are kept in the param dtype."""
+    torch's fused kernel or the fp32 foreach tier elsewhere. States are kept in the param dtype.
+    ``bf16_stochastic_round=True`` as for :class:`Adam`."""
 
     def __init__(self, params: _Params, lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
-                 weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True) -> None:
+                 weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True,
+                 bf16_stochastic_round: bool = False) -> None:
         if amsgrad:
             raise ValueError("FusedAdam does not support the AMSGrad variant (amsgrad=True)")
         self.set_grad_none = set_grad_none
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                      adam_w_mode=adam_w_mode, bias_correction=bias_correction, maximize=False))
+                                      adam_w_mode=adam_w_mode, bias_correction=bias_correction, maximize=False,
+                                      bf16_stochastic_round=bool(bf16_stochastic_round)))
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)

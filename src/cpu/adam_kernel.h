@@ -6,6 +6,62 @@
 
 #include "rules.h"
 
+// Param storage: P is the storage type, except bf16sr, which is bf16 in memory and stores by
+// stochastic rounding (lowbit.py). The random bits come from a plain loop over the W lanes that
+// the compiler vectorizes for each ISA's flags; the result does not depend on the ISA.
+template <class P> struct ParamStorage {
+  using T = P;
+  static inline void store(T* dst, typename Vec::F x, uint32_t, int64_t) { Vec::store(dst, x); }
+};
+template <> struct ParamStorage<bf16sr> {
+  using T = bf16;
+#if defined(MFA_ISA_AVX512)
+  // AVX-512: the same hash on 16 lanes in zmm registers (GCC's auto-vectorizer stops at 256 bits).
+  static inline void store(T* dst, __m512 x, uint32_t key, int64_t index) {
+    const uint32_t lo0 = uint32_t(uint64_t(index)), hi0 = uint32_t(uint64_t(index) >> 32);
+    const __m512i lo = _mm512_add_epi32(_mm512_set1_epi32(int(lo0)),
+                                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    // Lanes whose low word wrapped past 2^32 belong to the next high word.
+    const __mmask16 wrap = _mm512_cmplt_epu32_mask(lo, _mm512_set1_epi32(int(lo0)));
+    const __m512i hi = _mm512_mask_add_epi32(_mm512_set1_epi32(int(hi0)), wrap, _mm512_set1_epi32(int(hi0)),
+                                             _mm512_set1_epi32(1));
+    __m512i h = _mm512_xor_si512(_mm512_set1_epi32(int(key)),
+                                 _mm512_xor_si512(_mm512_mullo_epi32(lo, _mm512_set1_epi32(int(0x9E3779B9u))),
+                                                  _mm512_mullo_epi32(hi, _mm512_set1_epi32(int(0x85EBCA77u)))));
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+    h = _mm512_mullo_epi32(h, _mm512_set1_epi32(int(0x85EBCA6Bu)));
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
+    h = _mm512_mullo_epi32(h, _mm512_set1_epi32(int(0xC2B2AE35u)));
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), _mm512_srli_epi32(h, 16)), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
+  }
+#else
+  static inline void store(T* dst, typename Vec::F x, uint32_t key, int64_t index) {
+    constexpr int W = Vec::W;
+    float tmp[W];
+    uint32_t u[W];
+    uint16_t out[W];
+    Vec::store(tmp, x);
+    __builtin_memcpy(u, tmp, sizeof u);
+    // Whole-array copies and a branch-free lane loop: each ISA build vectorizes it.
+    for (int k = 0; k < W; ++k) {
+      const uint64_t ix = uint64_t(index) + uint64_t(k);
+      uint32_t h = key ^ (uint32_t(ix) * 0x9E3779B9u) ^ (uint32_t(ix >> 32) * 0x85EBCA77u);
+      h ^= h >> 16;
+      h *= 0x85EBCA6Bu;
+      h ^= h >> 13;
+      h *= 0xC2B2AE35u;
+      h ^= h >> 16;
+      const uint32_t rounded = (u[k] + (h >> 16)) >> 16;
+      out[k] = uint16_t((u[k] & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
+    }
+    __builtin_memcpy(dst, out, sizeof out);
+  }
+#endif
+};
+
 // Vectors per loop iteration, and how far ahead (bytes) to prefetch each stream (0: leave it to
 // the hardware prefetchers). Build-time knobs for tuning; the defaults are the measured choice
 // (16-core Xeon, AVX-512, one interleaved benchmark run each: prefetching 1 KiB ahead took the
@@ -18,12 +74,14 @@
 #define MFA_PREFETCH 1024
 #endif
 
-template <class Rule, class P, class S>
+template <class Rule, class PS, class S>
 void span_kernel(const Span& sp, int64_t begin, int64_t end, const void* scalars) {
   constexpr int W = Vec::W;
   constexpr int K = Rule::kStates;
   using F = typename Vec::F;
+  using P = typename ParamStorage<PS>::T;
   const Rule rule(*static_cast<const typename Rule::Scalars*>(scalars));
+  const uint32_t key = sp.sr_key;
   P* p = static_cast<P*>(sp.param);
   const P* g = static_cast<const P*>(sp.grad);
   S* st[K];
@@ -46,7 +104,7 @@ void span_kernel(const Span& sp, int64_t begin, int64_t end, const void* scalars
     }
     for (int u = 0; u < U; ++u) rule(pv[u], Vec::load(g + i + u * W), sv[u]);
     for (int u = 0; u < U; ++u) {
-      Vec::store(p + i + u * W, pv[u]);
+      ParamStorage<PS>::store(p + i + u * W, pv[u], key, i + u * W);
       for (int k = 0; k < K; ++k) Vec::store(st[k] + i + u * W, sv[u][k]);
     }
   }
@@ -54,7 +112,7 @@ void span_kernel(const Span& sp, int64_t begin, int64_t end, const void* scalars
     F pv = Vec::load(p + i), sv[K];
     for (int k = 0; k < K; ++k) sv[k] = Vec::load(st[k] + i);
     rule(pv, Vec::load(g + i), sv);
-    Vec::store(p + i, pv);
+    ParamStorage<PS>::store(p + i, pv, key, i);
     for (int k = 0; k < K; ++k) Vec::store(st[k] + i, sv[k]);
   }
   if (i < end) {
@@ -71,7 +129,7 @@ void span_kernel(const Span& sp, int64_t begin, int64_t end, const void* scalars
     F pv = Vec::load(pb), sv[K];
     for (int k = 0; k < K; ++k) sv[k] = Vec::load(sb[k]);
     rule(pv, Vec::load(gb), sv);
-    Vec::store(pb, pv);
+    ParamStorage<PS>::store(pb, pv, key, i);  // pb[j] is element i + j
     for (int k = 0; k < K; ++k) Vec::store(sb[k], sv[k]);
     for (int64_t j = 0; j < r; ++j) {
       p[i + j] = pb[j];
@@ -87,6 +145,8 @@ inline void fill_row(SpanFn (&row)[static_cast<int>(Combo::Count)]) {
   row[int(Combo::F16_F16)] = span_kernel<Rule, mfa::f16, mfa::f16>;
   row[int(Combo::BF16_F32)] = span_kernel<Rule, mfa::bf16, float>;
   row[int(Combo::BF16_BF16)] = span_kernel<Rule, mfa::bf16, mfa::bf16>;
+  row[int(Combo::BF16SR_F32)] = span_kernel<Rule, mfa::bf16sr, float>;
+  row[int(Combo::BF16SR_BF16)] = span_kernel<Rule, mfa::bf16sr, mfa::bf16>;
 }
 
 inline IsaTable make_table(const char* name) {

@@ -8,6 +8,9 @@ namespace mfa {
 // Storage tags: half and bfloat16 travel as raw bits; the ISA layer widens them to float.
 struct f16 { uint16_t bits; };
 struct bf16 { uint16_t bits; };
+// A bf16 parameter stored by stochastic rounding (lowbit.py's contract): loads as bf16, stores
+// from fp32 with the random bits of (Span::sr_key, element index).
+struct bf16sr { uint16_t bits; };
 
 // Adam's fp32 host scalars (numeric contract v2), in the order of contract.AdamScalars; Python
 // packs them with the rule's struct format ("<9f2I") and the Metal kernel reads the same bytes.
@@ -58,10 +61,12 @@ struct Span {
   const void* grad;
   void* state[kMaxStates];  // the first `states` of the rule are used
   int64_t n;
+  uint32_t sr_key;  // lowbit.sr_key(seed, step) of this tensor (stochastic-rounding combos only)
 };
 
 // Param/state dtype pairs the kernel is instantiated for.
-enum class Combo : int { F32_F32 = 0, F16_F32, F16_F16, BF16_F32, BF16_BF16, Count };
+// The _SR pairs store a bf16 param by stochastic rounding (grads and loads are plain bf16).
+enum class Combo : int { F32_F32 = 0, F16_F32, F16_F16, BF16_F32, BF16_BF16, BF16SR_F32, BF16SR_BF16, Count };
 
 // One kernel per (ISA, rule, combo): processes span elements [begin, end) with the rule's scalar
 // struct at `scalars` (suitably aligned).

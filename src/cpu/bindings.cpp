@@ -19,12 +19,18 @@
 namespace nb = nanobind;
 using namespace mfa;
 
+namespace mfa {
+void register_adam8bit(nb::module_& m);  // adam8bit.cpp: the 8-bit block-wise Adam step
+}
 void register_step_plan(nb::module_& m);  // step_plan.cpp
 
 namespace {
 
-Combo combo_of(int param_dtype, int state_dtype) {
+Combo combo_of(int param_dtype, int state_dtype, bool sr) {
   // dtype codes: 0 float32, 1 float16, 2 bfloat16 (backends._DTYPE_CODES)
+  if (sr && param_dtype == 2 && state_dtype == 0) return Combo::BF16SR_F32;
+  if (sr && param_dtype == 2 && state_dtype == 2) return Combo::BF16SR_BF16;
+  if (sr) throw std::invalid_argument("stochastic rounding (sr_keys) needs bfloat16 params");
   if (param_dtype == 0 && state_dtype == 0) return Combo::F32_F32;
   if (param_dtype == 1 && state_dtype == 0) return Combo::F16_F32;
   if (param_dtype == 1 && state_dtype == 1) return Combo::F16_F16;
@@ -60,7 +66,8 @@ uintptr_t address(nb::handle h) { return nb::cast<uintptr_t>(h); }
 // One step of `rule` over tensors given as host addresses; `states` holds one list of addresses
 // per state of the rule; `scalars` is the rule's scalar struct (contract.Rule.pack).
 void step(const std::string& rule, nb::list params, nb::list grads, nb::list states, nb::list numels,
-          int param_dtype, int state_dtype, nb::bytes scalars, int num_threads) {
+          int param_dtype, int state_dtype, nb::bytes scalars, int num_threads, nb::object sr_keys) {
+  const bool sr = !sr_keys.is_none();
   const RuleInfo& info = rule_info(rule);
   size_t n = nb::len(params);
   if (nb::len(states) != size_t(info.states))
@@ -77,7 +84,12 @@ void step(const std::string& rule, nb::list params, nb::list grads, nb::list sta
   if (scalars.size() != info.scalar_bytes)
     throw std::invalid_argument("rule '" + rule + "' takes a " + std::to_string(info.scalar_bytes) +
                                 "-byte scalar struct; got " + std::to_string(scalars.size()) + " bytes");
-  Combo combo = combo_of(param_dtype, state_dtype);
+  Combo combo = combo_of(param_dtype, state_dtype, sr);
+  nb::list keys;
+  if (sr) {
+    keys = nb::cast<nb::list>(sr_keys);
+    if (nb::len(keys) != n) throw std::invalid_argument("sr_keys must have one key per param");
+  }
   thread_local std::vector<Span> spans;  // reused across steps: no allocation once warmed up
   spans.resize(n);
   for (size_t i = 0; i < n; ++i) {
@@ -89,6 +101,7 @@ void step(const std::string& rule, nb::list params, nb::list grads, nb::list sta
     for (int k = 0; k < kMaxStates; ++k)
       sp.state[k] = k < info.states ? reinterpret_cast<void*>(address(state_lists[k][i])) : nullptr;
     sp.n = count;
+    sp.sr_key = sr ? nb::cast<uint32_t>(keys[i]) : 0u;
   }
   // An aligned copy: the rules read the struct as floats and ints.
   alignas(16) unsigned char blob[256];
@@ -131,10 +144,11 @@ NB_MODULE(_cpu, m) {
   m.doc() = "The CPU optimizer kernels of mps_fused_adam (SIMD C++, persistent thread pool, no OpenMP).";
   m.def("step", &step, nb::arg("rule"), nb::arg("params"), nb::arg("grads"), nb::arg("states"),
         nb::arg("numels"), nb::arg("param_dtype"), nb::arg("state_dtype"), nb::arg("scalars"),
-        nb::arg("num_threads"),
+        nb::arg("num_threads"), nb::arg("sr_keys") = nb::none(),
         "One step of update rule `rule` (contract.RULES, or 'floor': the benchmark's memory floor), in\n"
         "place, over tensors given as host addresses (tensor.data_ptr()): `states` holds one address\n"
-        "list per state; `scalars` is contract.Rule.pack(hyper). The GIL is released while it runs.");
+        "list per state; `scalars` is contract.Rule.pack(hyper); `sr_keys` (bf16 params only): one\n"
+        "lowbit.sr_key per param, storing the params by stochastic rounding. The GIL is released.");
   m.def("rules", [] {
     std::vector<std::string> names;
     for (const RuleInfo& r : kRules) names.emplace_back(r.name);
@@ -147,6 +161,7 @@ NB_MODULE(_cpu, m) {
     return names;
   }, "The SIMD builds this CPU can run, best first.");
   m.def("set_simd_path", [](const std::string& name) { set_active_isa(name); }, "Select a SIMD build by name.");
+  register_adam8bit(m);
   register_step_plan(m);
   m.def("pool_size", [] { return ThreadPool::instance().size(); }, "Threads in the pool, the caller included.");
   m.def("pin_pool", [](const std::vector<int>& cores, bool one_per_thread) {

@@ -31,7 +31,10 @@ static uint16_t to_half_bits(float f, bool bf) {
 int main() {
   const IsaTable a = isa_scalar::table(), b = MFA_NATIVE_NS::table();
   const int sizes[] = {1, 3, 4, 5, 17, 1000, 4099};
-  const int elem[] = {4, 2, 2, 2, 2}, state_elem[] = {4, 4, 2, 4, 2};
+  // Per Combo (adam_types.h): param and state element sizes; the last two are the bf16
+  // stochastic-rounding pairs.
+  const int elem[] = {4, 2, 2, 2, 2, 2, 2}, state_elem[] = {4, 4, 2, 4, 2, 4, 2};
+  static_assert(sizeof elem / sizeof elem[0] == int(Combo::Count), "one entry per combo");
   std::mt19937 rng(7);
   std::uniform_int_distribution<int> dist(-512, 512);
   int passed = 0, failed = 0;
@@ -62,6 +65,7 @@ int main() {
         for (int k = 0; k < 2; ++k) {
           const IsaTable& tab = k == 0 ? a : b;
           Span sp{bufs[k][0].data(), bufs[k][1].data(), {bufs[k][2].data(), bufs[k][3].data()}, n};
+          sp.sr_key = 0x9E3779B9u ^ uint32_t(n);  // used by the stochastic-rounding combos only
           SpanFn fn = tab.fn[int(floor ? RuleId::Floor : RuleId::Adam)][combo];
           fn(sp, 0, n, &s);
           fn(sp, 0, n, &s);

@@ -1,0 +1,186 @@
+"""Low-bit options, measured: ``python benchmarks/lowbit.py [--steps 2000] [--size 16777216] [--out benchmarks/lowbit]``.
+
+1. Training curves (the longer version of tests/test_lowbit_training.py, plus bf16 with Kahan
+   compensation in plain torch, for the decision on offering it): fp32 AdamW, AdamW8bit,
+   bf16 + stochastic rounding, bf16 round-to-nearest, bf16 + Kahan, 8-bit + bf16 stochastic
+   rounding; loss curves to <out>.png, final losses to <out>.txt.
+2. Optimizer-state bytes per parameter of each set-up.
+3. CPU step time, one interleaved run over one flat tensor: torch.optim.AdamW(fused=True), ours
+   AdamW, ours AdamW8bit, bitsandbytes' AdamW8bit and torchao's AdamW8bit where importable; bf16
+   params with and without stochastic rounding (its overhead). The machine is shared: only ratios
+   within one run mean anything.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+import mps_fused_adam as mfa  # noqa: E402
+from mps_fused_adam.optim8bit import state_bytes_per_param  # noqa: E402
+from mps_fused_adam.timing import interleaved  # noqa: E402
+from test_lowbit_training import LR, make_student, make_task  # noqa: E402
+
+
+class KahanBf16AdamW:
+    """AdamW (no decay) on bf16 params with bf16 moments and a bf16 Kahan compensation buffer,
+    as torch-optimi's ``kahan_sum`` (6 bytes of state per parameter), in plain torch."""
+
+    def __init__(self, params, lr: float) -> None:
+        self.params, self.lr, self.t = list(params), lr, 0
+        self.state = {p: [torch.zeros_like(p) for _ in range(3)] for p in self.params}
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.t += 1
+        bc1, bc2 = 1 - 0.9 ** self.t, 1 - 0.999 ** self.t
+        for p in self.params:
+            m, v, comp = self.state[p]
+            g = p.grad.float()
+            m32 = 0.9 * m.float() + 0.1 * g
+            v32 = 0.999 * v.float() + 0.001 * g * g
+            m.copy_(m32)
+            v.copy_(v32)
+            y = -self.lr / bc1 * m32 / (v32.sqrt() / bc2 ** 0.5 + 1e-8) + comp.float()
+            old = p.float()
+            new = (old + y).to(torch.bfloat16)
+            comp.copy_(y - (new.float() - old))  # what the bf16 store lost, added back next step
+            p.copy_(new)
+
+
+def train(kind: str, steps: int, seed: int = 1) -> list[float]:
+    torch.manual_seed(seed)
+    x, y = make_task()
+    model = make_student(seed)
+    bf16 = kind not in ("fp32", "8bit")
+    model = model.to(torch.bfloat16 if bf16 else torch.float32)
+    params = list(model.parameters())
+    opt = {
+        "fp32": lambda: mfa.AdamW(params, lr=LR, weight_decay=0.0),
+        "8bit": lambda: mfa.AdamW8bit(params, lr=LR, weight_decay=0.0, min_8bit_size=1024),
+        "bf16-sr": lambda: mfa.AdamW(params, lr=LR, weight_decay=0.0, bf16_stochastic_round=True),
+        "bf16": lambda: mfa.AdamW(params, lr=LR, weight_decay=0.0),
+        "bf16-kahan": lambda: KahanBf16AdamW(params, lr=LR),
+        "8bit-bf16-sr": lambda: mfa.AdamW8bit(params, lr=LR, weight_decay=0.0, min_8bit_size=1024,
+                                              bf16_stochastic_round=True),
+    }[kind]()
+    dt = params[0].dtype
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x.to(dt)).float(), y).backward()
+        opt.step()
+        with torch.no_grad():
+            f = [p.float() for p in params]
+            losses.append(torch.nn.functional.mse_loss(torch.tanh(x @ f[0].T + f[1]) @ f[2].T + f[3], y).item())
+    return losses
+
+
+def memory_table() -> list[str]:
+    torch.manual_seed(0)
+    rows = []
+    for label, dtype, make in [
+        ("fp32 AdamW", torch.float32, lambda ps: mfa.AdamW(ps)),
+        ("bf16 params, fp32 states (CPUAdam)", torch.bfloat16, lambda ps: mfa.CPUAdam(ps)),
+        ("bf16 params, bf16 states (+ stochastic rounding)", torch.bfloat16,
+         lambda ps: mfa.AdamW(ps, bf16_stochastic_round=True)),
+        ("fp32 params, AdamW8bit", torch.float32, lambda ps: mfa.AdamW8bit(ps)),
+        ("bf16 params, AdamW8bit + stochastic rounding", torch.bfloat16,
+         lambda ps: mfa.AdamW8bit(ps, bf16_stochastic_round=True)),
+    ]:
+        p = torch.nn.Parameter(torch.randn(1 << 20).to(dtype))
+        p.grad = torch.randn_like(p)
+        opt = make([p])
+        opt.step()
+        state = sum(t.numel() * t.element_size() for t in opt.state[p].values() if isinstance(t, torch.Tensor))
+        rows.append(f"| {label} | {2 * p.element_size()} | {state / p.numel():.5f} | "
+                    f"{2 * p.element_size() + state / p.numel():.5f} |")
+        assert abs(state_bytes_per_param(opt) - state / p.numel()) < 1e-12
+    return ["| set-up | param + grad | state | total (bytes/param) |", "| --- | --- | --- | --- |"] + rows
+
+
+def speed(size: int, repeats: int) -> list[str]:
+    def flat(dtype):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(size).to(dtype))
+        p.grad = (torch.randn(size) * 1e-2).to(dtype)
+        return p
+
+    contenders, notes = {}, []
+    for name, dtype, make in [
+        ("torch AdamW(fused=True) fp32", torch.float32, lambda ps: torch.optim.AdamW(ps, fused=True)),
+        ("ours AdamW fp32", torch.float32, lambda ps: mfa.AdamW(ps)),
+        ("ours AdamW8bit fp32", torch.float32, lambda ps: mfa.AdamW8bit(ps)),
+        ("ours AdamW bf16 (round to nearest)", torch.bfloat16, lambda ps: mfa.AdamW(ps)),
+        ("ours AdamW bf16 + stochastic rounding", torch.bfloat16, lambda ps: mfa.AdamW(ps, bf16_stochastic_round=True)),
+        ("ours AdamW8bit bf16 + stochastic rounding", torch.bfloat16,
+         lambda ps: mfa.AdamW8bit(ps, bf16_stochastic_round=True)),
+    ]:
+        opt = make([flat(dtype)])
+        contenders[name] = opt.step
+    try:
+        import bitsandbytes as bnb
+        contenders["bitsandbytes AdamW8bit fp32"] = bnb.optim.AdamW8bit([flat(torch.float32)]).step
+    except Exception as exc:
+        notes.append(f"bitsandbytes: not importable ({type(exc).__name__})")
+    try:
+        from torchao.optim import AdamW8bit as AoAdamW8bit
+        contenders["torchao AdamW8bit fp32"] = AoAdamW8bit([flat(torch.float32)]).step
+    except Exception as exc:
+        notes.append(f"torchao: not importable ({type(exc).__name__})")
+    times = interleaved(contenders, repeats)
+    base = times["torch AdamW(fused=True) fp32"]
+    rows = ["| contender | ns/elem | vs torch fused fp32 |", "| --- | --- | --- |"]
+    for name, t in times.items():
+        rows.append(f"| {name} | {t / size * 1e9:.3f} | {base / t:.2f}x |")
+    sr = times["ours AdamW bf16 + stochastic rounding"] / times["ours AdamW bf16 (round to nearest)"] - 1
+    rows.append(f"\nstochastic rounding overhead over round-to-nearest (bf16 AdamW): {sr:+.1%}")
+    return rows + [f"\n{n}" for n in notes]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--size", type=int, default=1 << 24)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "lowbit"))
+    args = ap.parse_args()
+    lines = [f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+             f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"]
+    curves = {k: train(k, args.steps) for k in ("fp32", "8bit", "bf16-sr", "bf16", "bf16-kahan", "8bit-bf16-sr")}
+    final = {k: sum(v[-50:]) / 50 for k, v in curves.items()}
+    lines.append(f"\n## Training ({args.steps} steps, lr {LR}); final loss (mean of last 50) relative to fp32 AdamW")
+    lines += [f"- {k}: {v:.4f} ({v / final['fp32'] - 1:+.1%})" for k, v in final.items()]
+    lines.append("\n## Optimizer state per parameter (1M-element tensor)")
+    lines += memory_table()
+    lines.append(f"\n## CPU step, flat {args.size} elements, interleaved, median of {args.repeats}")
+    lines += speed(args.size, args.repeats)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    with open(args.out + ".txt", "w") as f:
+        f.write(text)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for k, v in curves.items():
+        ax.plot(v, label=f"{k} ({final[k] / final['fp32'] - 1:+.1%})")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (fp32 evaluation)")
+    ax.set_title("MLP regression, lr 1e-3, weights of order 1")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.out + ".png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()

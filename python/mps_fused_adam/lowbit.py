@@ -1,0 +1,306 @@
+"""The numeric contract of the low-bit rules: 8-bit block-wise Adam states and bf16 stochastic
+rounding (host side: constants, quantization maps, per-call scalars, the random-bit hash).
+
+Everything a kernel needs beyond the Adam contract (DESIGN.md section 2, version 2) is defined
+here once; ``reference_lowbit.py`` states the per-element and per-block math in plain torch.
+
+8-bit states (``AdamW8bit``/``Adam8bit``), after Dettmers et al. 2021 and bitsandbytes 0.50:
+
+- A moment tensor of ``n`` elements is stored as ``n`` uint8 codes and ``ceil(n / 256)`` fp32
+  scales (``absmax``), one per block of :data:`BLOCK` consecutive elements (the last block may be
+  short). The first moment uses the signed dynamic map, the second the unsigned one
+  (:func:`dynamic_map`): a code ``c`` of a block with scale ``a`` stands for ``map[c] * a``
+  (one fp32 multiply). The maps and code indices are bitsandbytes' own, so states convert both ways.
+- One step, per block: dequantize both moments, run the Adam v2 element math in fp32 with one
+  change (the normalized step is clamped, below), compute each moment's new scale
+  (``max |m|`` and ``max v`` over the block, NaN if any element is NaN), then quantize each
+  element to a code with :func:`quantize` rules:
+  ``x = value * inv`` with ``inv = 1 / absmax`` (one fp32 division per block; ``inv = 0`` when
+  ``absmax == 0``), code = the number of code midpoints strictly below ``x`` (midpoint
+  ``k`` = ``(map[k] + map[k+1]) / 2`` in fp32): the nearest code, ties to the lower code, NaN to
+  code 0. For the second moment a positive ``x`` never maps to the zero code (code 1 instead), so
+  a non-zero second moment is never stored as zero.
+- The known hazard (DESIGN.md, "Facts for the low-bit rules"): a dequantized second moment far
+  below the true one makes ``m / (sqrt(v) * d2 + eps)`` explode (up to ``m / eps``). Exact Adam
+  cannot exceed the Cauchy-Schwarz bound
+  ``|m| * sqrt(bc2) / sqrt(v) <= (1 - beta1) * sqrt(bc2 * S_t / (1 - beta2))`` with
+  ``S_t = sum_{j<t} (beta1^2 / beta2)^j``, so the 8-bit rule clamps the normalized step
+  ``u = m / denom`` to ``[-clip, clip]`` with that bound times :data:`CLIP_MARGIN`
+  (:func:`adam8bit_scalars`: host, double, rounded up to fp32). For fp32 Adam on exact moments the
+  clamp never binds; for quantized moments it bounds every parameter change by
+  ``step_size * clip`` (``clip`` is 0.1 at step 1 and tends to 7.27 for the default betas).
+- Tensors of fewer than ``min_8bit_size`` (default :data:`MIN_8BIT_SIZE`) elements keep fp32
+  moments and the plain Adam rule, as bitsandbytes does.
+
+bf16 stochastic rounding (``bf16_stochastic_round=True``): the new parameter, computed in fp32,
+is stored to bf16 as ``(bits(x) + r) >> 16`` with ``r`` 16 random bits (a NaN stores torch's
+0x7FC0): rounded away from zero with probability (low 16 bits of x) / 65536, so the expected
+stored value is x (unbiased). ``r`` is :func:`sr_bits` of the call's key (:func:`sr_key` of the
+parameter's seed and the step count) and the element's index in the tensor, so results are
+reproducible and independent of threads, threadgroups and backend.
+"""
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple
+
+import torch
+
+from .contract import AdamHyper, Rule, adam_scalars
+
+BLOCK = 256
+MIN_8BIT_SIZE = 4096
+SIGNED_ZERO_CODE = 127  # index of 0.0 in the signed map
+UNSIGNED_ZERO_CODE = 0  # index of 0.0 in the unsigned map
+_M32 = 0xFFFFFFFF
+BF16_NAN = 0x7FC0
+# The clamp sits this factor above the exact bound, so fp32 rounding of exact Adam (a few ulps)
+# never reaches it.
+CLIP_MARGIN = 1.0 + 2.0 ** -12
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _f32_up(x: float) -> float:
+    """The smallest fp32 value >= x (x finite and positive)."""
+    r = _f32(x)
+    if r < x:
+        bits = struct.unpack("<I", struct.pack("<f", r))[0]
+        r = struct.unpack("<f", struct.pack("<I", bits + 1))[0]
+    return r
+
+
+@lru_cache(maxsize=None)
+def _dynamic_map_cpu(signed: bool) -> torch.Tensor:
+    # Dettmers' dynamic data type with 7 exponent bits in 8 bits (bitsandbytes'
+    # create_dynamic_map(signed, 7, 8)): for decade i = 0..6 the fractions are the midpoints of
+    # 2^i (signed) or 2^(i+1) (unsigned) equal fp32 steps of linspace(0.1, 1), scaled by 10^(i-6);
+    # plus 0 and 1. The fp32 arithmetic is bitsandbytes' (torch.linspace, midpoints, scale), so the
+    # 256 values equal its qmap1/qmap2 bit for bit (tests/test_lowbit.py checks against it).
+    values: list[float] = []
+    for i in range(7):
+        count = (2 ** i if signed else 2 ** (i + 1)) + 1
+        bounds = torch.linspace(0.1, 1, count, dtype=torch.float32)
+        means = (bounds[:-1] + bounds[1:]) / 2.0
+        scale = 10.0 ** (i - 6)
+        values += (scale * means).tolist()
+        if signed:
+            values += (-scale * means).tolist()
+    values += [0.0, 1.0]
+    assert len(values) == 256
+    values.sort()
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def dynamic_map(signed: bool, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 256 sorted fp32 code values: signed (first moment) or unsigned (second moment)."""
+    m = _dynamic_map_cpu(bool(signed))
+    return m if torch.device(device).type == "cpu" else m.to(device)
+
+
+@lru_cache(maxsize=None)
+def _midpoints_cpu(signed: bool) -> torch.Tensor:
+    m = _dynamic_map_cpu(signed)
+    return (m[:-1] + m[1:]) / 2.0  # fp32 sum, exact halving: 255 decision thresholds
+
+
+def code_midpoints(signed: bool, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 255 fp32 thresholds between neighbouring codes (the quantizer's decision points)."""
+    m = _midpoints_cpu(bool(signed))
+    return m if torch.device(device).type == "cpu" else m.to(device)
+
+
+def num_blocks(numel: int) -> int:
+    return -(-int(numel) // BLOCK)
+
+
+class Adam8bitScalars(NamedTuple):
+    """Contract v2's Adam scalars (``contract.AdamScalars``, same order) plus the 8-bit rule's
+    clamp, all fp32; the kernels' ``Adam8bitParams`` struct in this order (10 floats, 2 uints)."""
+
+    beta1: float
+    beta2: float
+    one_minus_beta1: float
+    one_minus_beta2: float
+    eps: float
+    weight_decay: float
+    step_size: float  # lr / bc1
+    d2: float  # 1 / sqrt(bc2)
+    decay: float  # 1 - lr * wd in AdamW mode, 1 in L2 mode
+    clip: float  # bound of |m / denom| (normalized_step_bound, rounded up)
+    adam_w_mode: int
+    maximize: int
+
+
+def normalized_step_bound(beta1: float, beta2: float, step: int, bias_correction: bool) -> float:
+    """The largest ``|m| * sqrt(bc2) / sqrt(v)`` exact Adam can reach at ``step`` (Cauchy-Schwarz
+    over the gradient history), in double."""
+    r = beta1 * beta1 / beta2 if beta2 > 0 else math.inf
+    if beta1 == 0.0:
+        s = 1.0
+    elif r == 1.0:
+        s = float(step)
+    elif math.isinf(r):  # beta2 == 0 and beta1 > 0: v is the last g^2 alone, m is unbounded by it
+        return math.inf
+    else:
+        # (1 - r^t) / (1 - r), written to stay finite for r > 1 and accurate for r near 1.
+        s = math.expm1(step * math.log(r)) / (r - 1.0) if r > 0 else 1.0
+    bc2 = 1.0 - beta2 ** step if bias_correction else 1.0
+    return (1.0 - beta1) * math.sqrt(bc2 * s / (1.0 - beta2))
+
+
+def adam8bit_scalars(hp) -> Adam8bitScalars:
+    """The fp32 scalars of one 8-bit Adam call for :class:`~.contract.AdamHyper` ``hp``:
+    ``contract.adam_scalars(hp)`` with the clamp inserted after ``decay``."""
+    a = adam_scalars(hp)
+    bound = normalized_step_bound(hp.beta1, hp.beta2, hp.step, hp.bias_correction) * CLIP_MARGIN
+    clip = math.inf if bound > 3.4e38 else _f32_up(bound)
+    return Adam8bitScalars(*a[:9], clip, *a[9:])
+
+
+ADAM8BIT_STRUCT = "<10f2I"  # the kernels' Adam8bitScalars: 48 bytes, little-endian
+
+
+def pack_adam8bit(hp) -> bytes:
+    """:func:`adam8bit_scalars` as the C++ and Metal kernels read them."""
+    return struct.pack(ADAM8BIT_STRUCT, *adam8bit_scalars(hp))
+
+
+QUANT_BUCKET_SHIFT = 20  # the quantizer's start table: one entry per 2^20 fp32 bit patterns
+
+
+def _order_keys(x: torch.Tensor) -> torch.Tensor:
+    """fp32 values as int64 keys in the order of the values (sign-magnitude bits made monotonic)."""
+    u = x.contiguous().view(torch.int32).to(torch.int64) & _M32
+    return torch.where(u >= 0x80000000, _M32 - u, u | 0x80000000)
+
+
+@lru_cache(maxsize=None)
+def _kernel_table_cpu(signed: bool) -> torch.Tensor:
+    mids = _midpoints_cpu(signed)
+    starts = torch.arange(1 << (32 - QUANT_BUCKET_SHIFT), dtype=torch.int64) << QUANT_BUCKET_SHIFT
+    # For each bucket of order keys, the midpoints strictly below all of it: a quantizer starts
+    # there and steps up while mid < x (a few steps), instead of searching all 255.
+    counts = torch.searchsorted(_order_keys(mids), starts, right=False).float()
+    return torch.cat([_dynamic_map_cpu(signed), mids, torch.zeros(1), counts]).contiguous()
+
+
+def kernel_table(signed: bool, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The kernels' table of one map (fp32): its 256 code values, its 255 midpoints, one pad
+    entry, then 4096 quantizer start counts (small integers, exact in fp32)."""
+    device = torch.device(device)
+    return _kernel_table_cpu(bool(signed)) if device.type == "cpu" else _kernel_table_on(bool(signed), device)
+
+
+@lru_cache(maxsize=None)
+def _kernel_table_on(signed: bool, device: torch.device) -> torch.Tensor:
+    return _kernel_table_cpu(signed).to(device)  # once per device, not once per step
+
+
+# ---- stochastic rounding: a counter-based hash -------------------------------------------------
+
+def fmix32(x: int) -> int:
+    """MurmurHash3's 32-bit finalizer (a bijection with full avalanche)."""
+    x &= _M32
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & _M32
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & _M32
+    x ^= x >> 16
+    return x
+
+
+def sr_key(seed: int, step: int) -> int:
+    """The 32-bit key of one call: the parameter's 64-bit seed and the step count, hashed on the host."""
+    k = fmix32((seed & _M32) ^ 0x9E3779B9)
+    k = fmix32(k ^ ((seed >> 32) & _M32))
+    k = fmix32(k ^ (step & _M32))
+    return fmix32(k ^ ((step >> 32) & _M32))
+
+
+SR_MUL_LO = 0x9E3779B9  # odd: multiplying by it permutes the 32-bit index words
+SR_MUL_HI = 0x85EBCA77
+
+
+def sr_bits_int(key: int, index: int) -> int:
+    """The 16 random bits of element ``index`` (Python ints; the scalar statement of the rule)."""
+    x = key ^ ((index & _M32) * SR_MUL_LO & _M32) ^ (((index >> 32) & _M32) * SR_MUL_HI & _M32)
+    return fmix32(x) >> 16
+
+
+def sr_bits(key: int, index: torch.Tensor) -> torch.Tensor:
+    """:func:`sr_bits_int` over an int64 tensor of element indices (int64 results in [0, 65536))."""
+    lo = index & _M32
+    hi = (index >> 32) & _M32
+    x = (key ^ ((lo * SR_MUL_LO) & _M32) ^ ((hi * SR_MUL_HI) & _M32)) & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _M32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _M32
+    x = x ^ (x >> 16)
+    return x >> 16
+
+
+def stochastic_round_bf16(x: torch.Tensor, key: int) -> torch.Tensor:
+    """``x`` (fp32) rounded to bf16 by the contract's rule, element ``i`` of the flattened tensor
+    using the random bits of index ``i``."""
+    x = x.contiguous()
+    u = x.view(torch.int32).to(torch.int64) & _M32
+    r = sr_bits(key, torch.arange(x.numel(), dtype=torch.int64, device=x.device).view(x.shape))
+    out = ((u + r) >> 16) & 0xFFFF
+    out = torch.where(torch.isnan(x), torch.full_like(out, BF16_NAN), out)
+    # int64 -> int16 keeps the low 16 bits (two's complement), which are the bf16 bits.
+    return out.to(torch.int16).view(torch.bfloat16)
+
+
+def new_sr_seed(generator: torch.Generator | None = None) -> int:
+    """A fresh 64-bit seed for one parameter, drawn from torch's RNG (so torch.manual_seed makes
+    runs reproducible)."""
+    hi = int(torch.randint(0, 2 ** 32, (1,), generator=generator, dtype=torch.int64))
+    lo = int(torch.randint(0, 2 ** 32, (1,), generator=generator, dtype=torch.int64))
+    return (hi << 32) | lo
+
+
+@dataclass(frozen=True)
+class AdamSRHyper:
+    """One Adam step of one tensor whose bf16 parameter is stored by stochastic rounding: the
+    Adam hyperparameters and the tensor's :func:`sr_key` for this step."""
+
+    adam: AdamHyper
+    sr_key: int
+
+
+def adam_sr_scalars(hp: AdamSRHyper) -> tuple:
+    """Adam's host scalars (contract v2), then the 32-bit key."""
+    return (*adam_scalars(hp.adam), hp.sr_key & _M32)
+
+
+# The Metal kernels' rule for it (fused_adam_sr_bfloat_*): Adam's states and struct plus the key.
+# Not in contract.RULES: the CPU kernel runs it as a param storage (bf16sr) of the Adam rule.
+ADAM_SR = Rule("adam_sr", ("exp_avg", "exp_avg_sq"), AdamSRHyper, adam_sr_scalars, "<9f3I")
+
+
+@dataclass(frozen=True)
+class Adam8bitTensorHyper:
+    """One 8-bit Adam step of one tensor on the Metal kernels: the Adam hyperparameters and, for
+    a bf16 param stored by stochastic rounding, its :func:`sr_key` for this step (else None)."""
+
+    adam: AdamHyper
+    sr_key: int | None = None
+
+
+def adam8bit_tensor_scalars(hp: Adam8bitTensorHyper) -> tuple:
+    """:func:`adam8bit_scalars`, then the stochastic-rounding switch and key."""
+    key = hp.sr_key
+    return (*adam8bit_scalars(hp.adam), int(key is not None), 0 if key is None else key & _M32)
+
+
+# The Metal kernels' 8-bit rule (fused_adam8bit_*_uchar): buffers param, grad, then these six
+# (codes and block scales of both moments, then the two kernel_table maps); struct "<10f4I".
+ADAM8BIT = Rule("adam8bit", ("exp_avg_codes", "exp_avg_sq_codes", "exp_avg_absmax", "exp_avg_sq_absmax",
+                             "map1", "map2"), Adam8bitTensorHyper, adam8bit_tensor_scalars, "<10f4I")

@@ -1,0 +1,298 @@
+"""``AdamW8bit`` and ``Adam8bit``: Adam with both moments stored as 8-bit block-wise codes
+(bitsandbytes' scheme, contract in ``lowbit.py``), optionally with bf16 stochastic rounding.
+
+A step validates every tensor of every group first; only then is state created and any tensor
+written, so a rejected step changes nothing.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from . import lowbit, validate
+from .contract import AdamHyper
+from .lowbit import MIN_8BIT_SIZE, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE, num_blocks
+from .backends import CPUBackend, get_backend, update_staged
+from .optim import _optimizer_method
+from .reference_lowbit import reference_adam8bit_, reference_adam_sr_
+
+_Params = Iterable[Any]
+
+# State keys of a parameter with 8-bit moments, and of one below min_8bit_size (fp32 moments).
+CODE_KEYS = ("exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_codes", "exp_avg_sq_absmax")
+FP32_KEYS = ("exp_avg", "exp_avg_sq")
+SEED_KEY = "sr_seed"
+
+
+def _check_state(p: torch.Tensor, st: dict, name: str) -> None:
+    """Existing (perhaps loaded) state must fit its parameter: 8-bit codes and block scales, or
+    fp32 moments; raise a ValueError naming the parameter and the entry otherwise."""
+    who = validate.describe(p, name)
+    if "exp_avg_codes" in st:
+        nb = num_blocks(p.numel())
+        want = {"exp_avg_codes": (tuple(p.shape), torch.uint8), "exp_avg_sq_codes": (tuple(p.shape), torch.uint8),
+                "exp_avg_absmax": ((nb,), torch.float32), "exp_avg_sq_absmax": ((nb,), torch.float32)}
+    else:
+        want = {k: (tuple(p.shape), torch.float32) for k in FP32_KEYS}
+    for key, (shape, dtype) in want.items():
+        t = st.get(key)
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{who}: optimizer state '{key}' is missing or not a tensor (found {type(t).__name__})")
+        if tuple(t.shape) != shape or t.dtype != dtype or t.device != p.device:
+            raise ValueError(f"{who}: optimizer state '{key}' is {validate.describe(t, key)}; expected shape "
+                             f"{shape}, {str(dtype).replace('torch.', '')}, {p.device}")
+
+
+class _Adam8bitBase(torch.optim.Optimizer):
+    """Shared step of the 8-bit optimizers. Group keys: lr, betas, eps, weight_decay, adam_w_mode,
+    bias_correction, maximize, min_8bit_size, bf16_stochastic_round."""
+
+    def __init__(self, params: _Params, defaults: dict[str, Any]) -> None:
+        validate.check_hyperparameters(defaults["lr"], defaults["betas"], defaults["eps"], defaults["weight_decay"])
+        if int(defaults["min_8bit_size"]) < 1:
+            raise ValueError(f"min_8bit_size must be a positive element count, got {defaults['min_8bit_size']!r}")
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        _optimizer_method("add_param_group")(self, param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        _optimizer_method("zero_grad")(self, set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return _optimizer_method("state_dict")(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:  # state dicts of other optimizers lack our group keys
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of ours (``bnb_compat.from_bitsandbytes`` converts bitsandbytes').
+
+        torch casts floating state tensors to the parameter's dtype; the block scales and fp32
+        moments are re-taken from the saved tensors as fp32, ``step`` and ``sr_seed`` as ints.
+        """
+        _optimizer_method("load_state_dict")(self, state_dict)
+        saved_state = state_dict["state"]
+        for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
+            for key, p in zip(saved_group["params"], group["params"]):
+                saved = saved_state.get(key)
+                if saved is None:
+                    continue
+                st = self.state[p]
+                for name in CODE_KEYS + FP32_KEYS:
+                    t = saved.get(name)
+                    if isinstance(t, torch.Tensor):
+                        dtype = torch.uint8 if name.endswith("_codes") else torch.float32
+                        st[name] = t.to(device=p.device, dtype=dtype, copy=True)
+                for name in ("step", SEED_KEY):
+                    if name in saved:
+                        st[name] = int(saved[name])
+
+    def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        st: dict[str, Any] = {"step": 0}
+        if p.numel() >= int(group["min_8bit_size"]):
+            nb = num_blocks(p.numel())
+            st["exp_avg_codes"] = torch.full_like(p, SIGNED_ZERO_CODE, dtype=torch.uint8,
+                                                  memory_format=torch.contiguous_format)
+            st["exp_avg_absmax"] = torch.zeros(nb, dtype=torch.float32, device=p.device)
+            st["exp_avg_sq_codes"] = torch.full_like(p, UNSIGNED_ZERO_CODE, dtype=torch.uint8,
+                                                     memory_format=torch.contiguous_format)
+            st["exp_avg_sq_absmax"] = torch.zeros(nb, dtype=torch.float32, device=p.device)
+        else:
+            for key in FP32_KEYS:
+                st[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        if group["bf16_stochastic_round"] and p.dtype == torch.bfloat16:
+            st[SEED_KEY] = lowbit.new_sr_seed()
+        return st
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = []
+        for gi, group in enumerate(self.param_groups):
+            validate.check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"],
+                                           where=f"param_groups[{gi}]")
+            names = group.get("param_names")
+            for pi, p in enumerate(group["params"]):
+                if p.grad is None or p.numel() == 0:
+                    continue
+                name = names[pi] if names else f"param_groups[{gi}]['params'][{pi}]"
+                validate.check_param(p, p.grad, name, None)
+                st = self.state.get(p)
+                if st:
+                    _check_state(p, st, name)
+                work.append((group, p))
+        # Everything validated: create state, then update.
+        for group, p in work:
+            st = self.state[p]
+            if not st:
+                st.update(self._init_state(p, group))
+            st["step"] = step = int(st["step"]) + 1
+            beta1, beta2 = group["betas"]
+            hp = AdamHyper(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                           weight_decay=float(group["weight_decay"]), step=step,
+                           adam_w_mode=bool(group["adam_w_mode"]), bias_correction=bool(group["bias_correction"]),
+                           maximize=bool(group["maximize"]))
+            key = lowbit.sr_key(st[SEED_KEY], step) if (SEED_KEY in st and group["bf16_stochastic_round"]) else None
+            _update(p, p.grad, st, hp, key)
+        return loss
+
+
+_PARAM_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _update(p: torch.Tensor, g: torch.Tensor, st: dict[str, Any], hp: AdamHyper, sr_key: Optional[int]) -> None:
+    """One tensor's update on its device's implementation of the rule: the Metal kernels on the
+    Metal tiers (untested on Apple hardware), the ``_cpu`` extension's 8-bit kernel for CPU
+    tensors, the plain-torch reference elsewhere (a correct, not fast, path). Moments below
+    min_8bit_size use the backends' Adam kernel, with stochastic rounding when that option is on."""
+    if "exp_avg_codes" in st:
+        backend = get_backend(p.device)
+        if isinstance(backend, _metal_backends()):
+            _metal_adam8bit(backend, p, g, st, hp, sr_key)
+        elif p.is_cpu and _cpu_ext() is not None:
+            _cpu_adam8bit(p, g, st, hp, sr_key)
+        else:
+            reference_adam8bit_(p, g, st["exp_avg_codes"], st["exp_avg_absmax"], st["exp_avg_sq_codes"],
+                                st["exp_avg_sq_absmax"], hp, sr_key)
+    elif sr_key is not None:
+        backend = get_backend(p.device)
+        if isinstance(backend, CPUBackend) and p.is_contiguous() and g.is_contiguous():
+            backend.update("adam", [p], [g], [[st["exp_avg"]], [st["exp_avg_sq"]]], hp, sr_keys=[sr_key])
+        elif isinstance(backend, _metal_backends()):
+            update_staged(backend, lowbit.ADAM_SR.name, [p], [g], [[st["exp_avg"]], [st["exp_avg_sq"]]],
+                          lowbit.AdamSRHyper(hp, sr_key))
+        else:
+            reference_adam_sr_(p, g, st["exp_avg"], st["exp_avg_sq"], hp, sr_key)
+    else:
+        update_staged(get_backend(p.device), "adam", [p], [g], [[st["exp_avg"]], [st["exp_avg_sq"]]], hp)
+
+
+def _metal_backends() -> tuple:
+    from .mps_backends import MetalExtBackend, ShaderLibraryBackend
+    return (MetalExtBackend, ShaderLibraryBackend)
+
+
+def _metal_adam8bit(backend: Any, p: torch.Tensor, g: torch.Tensor, st: dict[str, Any], hp: AdamHyper,
+                    sr_key: Optional[int]) -> None:
+    """The Metal kernel fused_adam8bit_*_uchar over one tensor (one dispatch: the key is per
+    tensor), on contiguous copies of a non-contiguous param or grad."""
+    pc, gc = p.contiguous(), g.contiguous()  # codes and scales are always contiguous (ours)
+    tables = [[lowbit.kernel_table(True, p.device)], [lowbit.kernel_table(False, p.device)]]
+    backend.update(lowbit.ADAM8BIT.name, [pc], [gc],
+                   [[st["exp_avg_codes"]], [st["exp_avg_sq_codes"]], [st["exp_avg_absmax"]],
+                    [st["exp_avg_sq_absmax"]], *tables],
+                   lowbit.Adam8bitTensorHyper(hp, sr_key if p.dtype is torch.bfloat16 else None))
+    if pc is not p:
+        p.copy_(pc)
+
+
+def _cpu_ext() -> Any:
+    try:
+        from . import _cpu
+    except ImportError:
+        return None
+    return _cpu if hasattr(_cpu, "adam8bit_step") else None
+
+
+def _cpu_adam8bit(p: torch.Tensor, g: torch.Tensor, st: dict[str, Any], hp: AdamHyper, sr_key: Optional[int]) -> None:
+    pc, gc = p.contiguous(), g.contiguous()  # codes and scales are always contiguous (ours)
+    _cpu_ext().adam8bit_step(
+        pc.data_ptr(), gc.data_ptr(), st["exp_avg_codes"].data_ptr(), st["exp_avg_absmax"].data_ptr(),
+        st["exp_avg_sq_codes"].data_ptr(), st["exp_avg_sq_absmax"].data_ptr(), p.numel(), _PARAM_CODES[p.dtype],
+        lowbit.kernel_table(True).data_ptr(), lowbit.kernel_table(False).data_ptr(), lowbit.pack_adam8bit(hp),
+        0 if sr_key is None else sr_key, sr_key is not None, torch.get_num_threads())
+    if pc is not p:
+        p.copy_(pc)
+
+
+def _check_bnb_options(cls: str, optim_bits: int, args: Any, is_paged: bool, percentile_clipping: int,
+                       block_wise: bool) -> None:
+    if optim_bits != 32:
+        raise ValueError(f"{cls}: optim_bits={optim_bits!r} is not supported: the states are always 8-bit "
+                         "(bitsandbytes 0.50 accepts only the default 32 here too; use AdamW for 32-bit states)")
+    if args is not None:
+        raise ValueError(f"{cls}: args (a bitsandbytes GlobalOptimManager config) is not supported; pass "
+                         "hyperparameters as arguments or per param group")
+    if is_paged:
+        raise ValueError(f"{cls}: is_paged=True is not supported: paging moves CUDA states to host memory; "
+                         "on Apple Silicon and CPU memory is already unified")
+    if percentile_clipping != 100:
+        raise ValueError(f"{cls}: percentile_clipping={percentile_clipping!r} is not implemented (bitsandbytes "
+                         "0.50 removed it too); clip gradients with torch.nn.utils.clip_grad_norm_")
+    if not block_wise:
+        raise ValueError(f"{cls}: block_wise=False is not supported: states are always quantized in blocks of "
+                         f"{lowbit.BLOCK}")
+
+
+def _check_torch_options(cls: str, amsgrad: bool, capturable: bool, differentiable: bool) -> None:
+    for option, value in (("amsgrad", amsgrad), ("capturable", capturable), ("differentiable", differentiable)):
+        if value:
+            raise ValueError(f"{cls} does not support {option}={value!r}")
+
+
+class Adam8bit(_Adam8bitBase):
+    """Adam with 8-bit block-wise states: ``torch.optim.Adam``'s arguments (L2 weight decay unless
+    ``decoupled_weight_decay=True``) plus bitsandbytes' ``min_8bit_size`` (tensors with fewer
+    elements keep fp32 moments) and ``bf16_stochastic_round`` (bf16 params stored by stochastic
+    rounding). ``foreach``/``fused`` are accepted and ignored; ``amsgrad``, ``capturable``,
+    ``differentiable``, ``optim_bits`` other than its default, ``args``, ``is_paged=True``,
+    ``percentile_clipping`` other than 100 and ``block_wise=False`` are rejected.
+
+    Note: bitsandbytes' ``Adam8bit`` applies its weight decay decoupled (as AdamW); this class
+    follows ``torch.optim.Adam``. A converted bitsandbytes state dict keeps bitsandbytes' meaning.
+    """
+
+    _name = "Adam8bit"
+    _decoupled_default = False
+
+    def __init__(self, params: _Params, lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, optim_bits: int = 32,
+                 args: Any = None, min_8bit_size: int = MIN_8BIT_SIZE, is_paged: bool = False, *,
+                 maximize: bool = False, foreach: Optional[bool] = None, capturable: bool = False,
+                 differentiable: bool = False, fused: Optional[bool] = None,
+                 decoupled_weight_decay: Optional[bool] = None, percentile_clipping: int = 100,
+                 block_wise: bool = True, bf16_stochastic_round: bool = False) -> None:
+        _check_torch_options(self._name, amsgrad, capturable, differentiable)
+        _check_bnb_options(self._name, optim_bits, args, is_paged, percentile_clipping, block_wise)
+        decoupled = self._decoupled_default if decoupled_weight_decay is None else bool(decoupled_weight_decay)
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam_w_mode=decoupled,
+                                      bias_correction=True, maximize=maximize, min_8bit_size=int(min_8bit_size),
+                                      bf16_stochastic_round=bool(bf16_stochastic_round)))
+
+
+class AdamW8bit(Adam8bit):
+    """AdamW with 8-bit block-wise states: ``torch.optim.AdamW``'s arguments (decoupled weight
+    decay, default 1e-2) plus those of :class:`Adam8bit`; the drop-in for
+    ``bitsandbytes.optim.AdamW8bit``."""
+
+    _name = "AdamW8bit"
+    _decoupled_default = True
+
+    def __init__(self, params: _Params, lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, optim_bits: int = 32,
+                 args: Any = None, min_8bit_size: int = MIN_8BIT_SIZE, is_paged: bool = False, *,
+                 maximize: bool = False, foreach: Optional[bool] = None, capturable: bool = False,
+                 differentiable: bool = False, fused: Optional[bool] = None, percentile_clipping: int = 100,
+                 block_wise: bool = True, bf16_stochastic_round: bool = False) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, optim_bits, args, min_8bit_size, is_paged,
+                         maximize=maximize, capturable=capturable, differentiable=differentiable,
+                         decoupled_weight_decay=True, percentile_clipping=percentile_clipping,
+                         block_wise=block_wise, bf16_stochastic_round=bf16_stochastic_round)
+
+
+def state_bytes_per_param(opt: torch.optim.Optimizer) -> float:
+    """Bytes of optimizer-state tensors per parameter element over every parameter with state."""
+    total = elems = 0
+    for p, st in opt.state.items():
+        elems += p.numel()
+        total += sum(t.numel() * t.element_size() for t in st.values() if isinstance(t, torch.Tensor))
+    return total / elems if elems else 0.0

@@ -1,0 +1,330 @@
+"""bf16 stochastic rounding, the AdamW8bit/Adam8bit classes and bitsandbytes state-dict
+conversion (against bitsandbytes itself where it is importable)."""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+import mps_fused_adam as mfa
+from mps_fused_adam import bnb_compat, lowbit
+from mps_fused_adam.contract import AdamHyper
+from mps_fused_adam.optim8bit import state_bytes_per_param
+from mps_fused_adam.reference_lowbit import dequantize, reference_adam8bit_
+
+
+def bnb_optim():
+    try:
+        import bitsandbytes as bnb
+    except Exception as exc:
+        msg = f"bitsandbytes not importable ({exc!r}); CI installs bitsandbytes==0.50.2"
+        if os.environ.get("MFA_REQUIRE_BITSANDBYTES"):
+            pytest.fail(msg + " (MFA_REQUIRE_BITSANDBYTES is set)")
+        pytest.skip(msg)
+    return bnb.optim
+
+
+# ---- stochastic rounding ----------------------------------------------------------------------
+
+def test_sr_bits_match_the_scalar_statement():
+    key = lowbit.sr_key(0x1234_5678_9ABC_DEF0, 7)
+    idx = torch.tensor([0, 1, 2, 255, 2 ** 31, 2 ** 32 - 1, 2 ** 32, 2 ** 32 + 5, 2 ** 40 + 3])
+    assert lowbit.sr_bits(key, idx).tolist() == [lowbit.sr_bits_int(key, int(i)) for i in idx]
+    # Different steps and seeds give different streams.
+    assert lowbit.sr_key(1, 1) != lowbit.sr_key(1, 2) != lowbit.sr_key(2, 1)
+
+
+def test_sr_is_unbiased_and_picks_a_neighbour():
+    x = torch.full((200_000,), 1.0 + 2 ** -9 + 2 ** -11)  # 5/16 of the way from 1.0 to the next bf16
+    lo, hi = 1.0, 1.0 + 2 ** -7  # its bf16 neighbours
+    hits = lowbit.stochastic_round_bf16(x, lowbit.sr_key(3, 1)).float()
+    assert set(hits.unique().tolist()) == {lo, hi}
+    frac = (x[0].item() - lo) / (hi - lo)
+    assert hits.eq(hi).double().mean().item() == pytest.approx(frac, abs=0.005)
+    assert hits.double().mean().item() == pytest.approx(x[0].item(), abs=2e-5)
+    # Negative values round away from zero with the same probability (sign-magnitude bits).
+    neg = lowbit.stochastic_round_bf16(-x, lowbit.sr_key(3, 1)).float()
+    assert torch.equal(neg, -hits)
+
+
+def test_sr_special_values_and_exact_values():
+    x = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1.5, 3.0e38, 1e-40])
+    out = lowbit.stochastic_round_bf16(x, lowbit.sr_key(1, 1))
+    assert out[0].isnan() and out[0].view(torch.int16).item() == 0x7FC0
+    assert out[1].item() == float("inf") and out[2].item() == -float("inf")
+    assert out[3].view(torch.int16).item() == 0 and out[4].view(torch.int16).item() == -32768  # -0.0 bits
+    assert out[5].item() == 1.5  # representable values are exact
+    low = torch.tensor(x[6:].tolist()).to(torch.bfloat16).float()
+    assert all(abs(a - b) <= abs(b) * 2 ** -7 for a, b in zip(out[6:].float().tolist(), low.tolist()))
+
+
+@pytest.mark.parametrize("cls", [mfa.Adam, mfa.AdamW, mfa.FusedAdam, mfa.AdamW8bit])
+def test_sr_option_reproducible_seeded_and_in_state_dict(cls):
+    def run(seed_offset=0):
+        torch.manual_seed(10 + seed_offset)
+        p = torch.nn.Parameter(torch.randn(5000).bfloat16())
+        opt = cls([p], lr=1e-3, bf16_stochastic_round=True)
+        for i in range(3):
+            p.grad = torch.randn(5000, generator=torch.Generator().manual_seed(i)).bfloat16()
+            opt.step()
+        return p, opt
+    (p1, o1), (p2, o2) = run(), run()
+    assert torch.equal(p1.view(torch.int16), p2.view(torch.int16))
+    seed = o1.state[p1]["sr_seed"]
+    assert isinstance(seed, int) and o1.state_dict()["state"][0]["sr_seed"] == seed
+    p3, _ = run(seed_offset=1)  # another torch seed: another rounding stream
+    assert not torch.equal(p1.view(torch.int16), p3.view(torch.int16))
+    # A reloaded optimizer continues with the same stream as the original.
+    q = torch.nn.Parameter(p1.detach().clone())
+    o3 = cls([q], lr=1e-3, bf16_stochastic_round=True)
+    o3.load_state_dict(copy.deepcopy(o1.state_dict()))
+    g = torch.randn(5000).bfloat16()
+    p1.grad, q.grad = g, g.clone()
+    o1.step()
+    o3.step()
+    assert torch.equal(p1.view(torch.int16), q.view(torch.int16))
+
+
+def test_sr_option_leaves_other_dtypes_alone():
+    p = torch.nn.Parameter(torch.randn(100))
+    q = torch.nn.Parameter(p.detach().clone())
+    a, b = mfa.AdamW([p], bf16_stochastic_round=True), mfa.AdamW([q])
+    p.grad = torch.randn(100)
+    q.grad = p.grad.clone()
+    a.step()
+    b.step()
+    assert torch.equal(p, q) and "sr_seed" not in a.state[p]
+
+
+# ---- AdamW8bit / Adam8bit ---------------------------------------------------------------------
+
+def test_state_layout_and_bytes_per_param():
+    big = torch.nn.Parameter(torch.randn(256 * 64))
+    odd = torch.nn.Parameter(torch.randn(5000))
+    small = torch.nn.Parameter(torch.randn(100))
+    opt = mfa.AdamW8bit([big, odd, small])
+    for p in (big, odd, small):
+        p.grad = torch.randn_like(p)
+    opt.step()
+    st = opt.state[big]
+    assert st["exp_avg_codes"].dtype == torch.uint8 and st["exp_avg_codes"].shape == big.shape
+    assert st["exp_avg_absmax"].shape == (64,) and st["exp_avg_sq_absmax"].dtype == torch.float32
+    assert opt.state[odd]["exp_avg_absmax"].shape == (20,)  # ceil(5000 / 256)
+    assert opt.state[small]["exp_avg"].dtype == torch.float32  # below min_8bit_size: fp32 moments
+    only_big = mfa.AdamW8bit([big])
+    big.grad = torch.randn_like(big)
+    only_big.step()
+    assert state_bytes_per_param(only_big) == 2 + 8 / 256 == 2.03125
+
+
+def test_matches_reference_and_rejects_nothing_half_done():
+    p = torch.nn.Parameter(torch.randn(4096 + 300))
+    ref_p = p.detach().clone()
+    n = p.numel()
+    codes = [torch.full((n,), 127, dtype=torch.uint8), torch.zeros(lowbit.num_blocks(n)),
+             torch.zeros(n, dtype=torch.uint8), torch.zeros(lowbit.num_blocks(n))]
+    opt = mfa.Adam8bit([p], lr=1e-2, weight_decay=0.1)  # L2 mode, as torch.optim.Adam
+    for step in (1, 2, 3):
+        p.grad = torch.randn(n)
+        opt.step()
+        reference_adam8bit_(ref_p, p.grad, *codes, AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.1, step, adam_w_mode=False))
+    assert torch.equal(p.detach(), ref_p)
+    assert torch.equal(opt.state[p]["exp_avg_sq_codes"], codes[2])
+    # A bad tensor anywhere rejects the whole step before anything is written.
+    other = torch.nn.Parameter(torch.randn(10).double())
+    opt.add_param_group({"params": [other]})
+    before = p.detach().clone()
+    p.grad = torch.randn(n)
+    other.grad = torch.randn(10).double()
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[0\].*float64 is not supported"):
+        opt.step()
+    assert torch.equal(p.detach(), before) and opt.state[p]["step"] == 3 and other not in opt.state
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(optim_bits=8), "optim_bits"), (dict(is_paged=True), "is_paged"), (dict(args=object()), "args"),
+    (dict(percentile_clipping=5), "percentile_clipping"), (dict(block_wise=False), "block_wise"),
+    (dict(amsgrad=True), "amsgrad"), (dict(min_8bit_size=0), "min_8bit_size"), (dict(lr=-1.0), "learning rate"),
+])
+def test_rejected_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        mfa.AdamW8bit([torch.nn.Parameter(torch.randn(3))], **kwargs)
+
+
+def test_state_dict_round_trip_keeps_codes_and_fp32_scales_for_bf16_params():
+    p = torch.nn.Parameter(torch.randn(8192).bfloat16())
+    opt = mfa.AdamW8bit([p], lr=1e-2)
+    p.grad = torch.randn(8192).bfloat16()
+    opt.step()
+    q = torch.nn.Parameter(p.detach().clone())
+    opt2 = mfa.AdamW8bit([q], lr=1e-2)
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for k in ("exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_codes", "exp_avg_sq_absmax"):
+        assert torch.equal(opt2.state[q][k], opt.state[p][k]) and opt2.state[q][k].dtype == opt.state[p][k].dtype
+    g = torch.randn(8192).bfloat16()
+    p.grad, q.grad = g, g.clone()
+    opt.step()
+    opt2.step()
+    assert torch.equal(p.view(torch.int16), q.view(torch.int16))
+
+
+# ---- bitsandbytes ------------------------------------------------------------------------------
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 8))
+
+
+def _train(model, opt, steps, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x, y = torch.randn(16, 64, generator=gen), torch.randn(16, 8, generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def _close(a, b, rel):
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        moved = (pa - pb).abs().max().item()
+        assert moved <= rel * pb.abs().max().item(), moved
+
+
+def test_numerics_comparable_with_bitsandbytes():
+    """Same model, same data: ours and bitsandbytes' AdamW8bit stay close over 20 steps (their CPU
+    path quantizes through a lookup table, ours by nearest code, and the op order differs)."""
+    optim = bnb_optim()
+    a, b, c = _model(), _model(), _model()
+    _train(a, mfa.AdamW8bit(a.parameters(), lr=1e-3), 20, 1)
+    _train(b, optim.AdamW8bit(b.parameters(), lr=1e-3), 20, 1)
+    _train(c, torch.optim.AdamW(c.parameters(), lr=1e-3), 20, 1)
+    diff_ours = max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
+    diff_fp32 = max((x - y).abs().max().item() for x, y in zip(c.parameters(), b.parameters()))
+    print(f"\nmax |ours - bnb| = {diff_ours:.3g}; max |torch fp32 AdamW - bnb| = {diff_fp32:.3g}")
+    assert diff_ours <= 2 * diff_fp32 + 1e-4
+
+
+@pytest.mark.parametrize("cls_name", ["AdamW8bit", "Adam8bit"])
+def test_state_dict_conversion_both_ways(cls_name):
+    optim = bnb_optim()
+    bnb_cls = getattr(optim, cls_name)
+    # bitsandbytes -> ours: same codes, same scales, same dequantized moments.
+    a = _model()
+    oa = bnb_cls(a.parameters(), lr=1e-3, weight_decay=0.01)
+    _train(a, oa, 5, 1)
+    sd = bnb_compat.from_bitsandbytes(oa.state_dict())
+    b = _model()
+    b.load_state_dict(a.state_dict())
+    ob = mfa.AdamW8bit(b.parameters(), lr=1e-3)
+    ob.load_state_dict(sd)
+    assert ob.param_groups[0]["weight_decay"] == 0.01 and ob.param_groups[0]["adam_w_mode"] is True
+    big = next(b.parameters())  # 64 x 128 = 8192 elements: 8-bit in both
+    bnb_state = oa.state[next(a.parameters())]
+    assert torch.equal(ob.state[big]["exp_avg_codes"], bnb_state["state1"])
+    assert torch.equal(ob.state[big]["exp_avg_sq_absmax"], bnb_state["absmax2"])
+    m_ours = dequantize(ob.state[big]["exp_avg_codes"], ob.state[big]["exp_avg_absmax"], True)
+    m_bnb = bnb_state["qmap1"][bnb_state["state1"].long()] * bnb_state["absmax1"].repeat_interleave(256).view(128, 64)
+    assert torch.equal(m_ours, m_bnb)
+    small = list(b.parameters())[1]  # 128 elements: fp32 moments in both
+    assert torch.equal(ob.state[small]["exp_avg"], oa.state[list(a.parameters())[1]]["state1"])
+    # Both continue from the converted state and stay close.
+    _train(a, oa, 5, 2)
+    _train(b, ob, 5, 2)
+    _close(b, a, 0.02)
+    # ours -> bitsandbytes: its load_state_dict takes the converted dict and continues.
+    c = _model()
+    c.load_state_dict(b.state_dict())
+    oc = bnb_cls(c.parameters(), lr=1e-3, weight_decay=0.01)
+    oc.load_state_dict(bnb_compat.to_bitsandbytes(ob.state_dict()))
+    assert torch.equal(oc.state[next(c.parameters())]["state2"], ob.state[big]["exp_avg_sq_codes"])
+    assert oc.state[next(c.parameters())]["step"] == 10
+    _train(b, ob, 5, 3)
+    _train(c, oc, 5, 3)
+    _close(c, b, 0.02)
+
+
+def test_conversion_rejects_a_foreign_map():
+    sd = {"state": {0: {"step": 1, "state1": torch.zeros(4096, dtype=torch.uint8), "qmap1": torch.linspace(-1, 1, 256),
+                        "state2": torch.zeros(4096, dtype=torch.uint8), "qmap2": lowbit.dynamic_map(False),
+                        "absmax1": torch.zeros(16), "absmax2": torch.zeros(16)}},
+          "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "params": [0]}]}
+    with pytest.raises(ValueError, match="qmap1 is not bitsandbytes' dynamic map"):
+        bnb_compat.from_bitsandbytes(sd)
+
+
+def test_readme_low_bit_example_runs():
+    import re
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("## Low-bit training"):text.index("## The CPU kernel")]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert blocks
+    scope: dict = {}
+    exec(blocks[0], scope)
+    for opt, model in ((scope["opt"], scope["model"]), (scope["opt_bf16"], scope["bf16_model"])):
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+    assert "exp_avg_codes" in scope["opt"].state[scope["model"].weight]  # 65,536 elements: 8-bit
+    assert "sr_seed" in scope["opt_bf16"].state[scope["bf16_model"].weight]
+
+
+def test_non_contiguous_param_and_via_cpu_path(monkeypatch):
+    """A transposed param is updated like a contiguous one; the MPS route (CPU copies written
+    back) gives the reference's bits too (exercised here by pretending CPU tensors need it)."""
+    from mps_fused_adam import reference_lowbit
+    base = torch.randn(64, 80)
+    p = torch.nn.Parameter(base.t())
+    q = torch.nn.Parameter(base.t().contiguous())
+    oa, ob = mfa.AdamW8bit([p], lr=1e-2), mfa.AdamW8bit([q], lr=1e-2)
+    for _ in range(2):
+        g = torch.randn(80, 64)
+        p.grad, q.grad = g.t().contiguous().t(), g.clone()
+        oa.step()
+        ob.step()
+    assert not p.is_contiguous() and torch.equal(p.detach(), q.detach())
+    r = torch.nn.Parameter(q.detach().clone())
+    ref = [r.detach().clone(), {k: v.clone() for k, v in ob.state[q].items() if isinstance(v, torch.Tensor)}]
+    monkeypatch.setattr(reference_lowbit, "_needs_cpu", lambda t: t.data_ptr() == r.data_ptr())
+    g = torch.randn(80, 64)
+    st = ob.state[q]
+    args = [st[k] for k in ("exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_codes", "exp_avg_sq_absmax")]
+    reference_lowbit.reference_adam8bit_(r, g, *[a.clone() for a in args], AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.01, 3))
+    q.grad = g
+    ob.step()
+    assert torch.equal(r.detach(), q.detach())
+
+
+def test_sr_group_takes_full_path_each_step_and_other_groups_keep_their_plan():
+    """Cached step plans (step_plan.py) carry no per-step stochastic-rounding key: a group with
+    ``bf16_stochastic_round`` is never planned and matches the reference on every step, while a
+    plain group of the same optimizer is planned and used from its second step."""
+    from mps_fused_adam import step_plan
+    from mps_fused_adam.reference import reference_adam_
+    from mps_fused_adam.reference_lowbit import reference_adam_sr_
+
+    torch.manual_seed(3)
+    sr_ps = [torch.nn.Parameter(torch.randn(n).bfloat16()) for n in (300, 1000)]
+    plain = torch.nn.Parameter(torch.randn(50))
+    opt = mfa.AdamW([{"params": sr_ps, "bf16_stochastic_round": True}, {"params": [plain]}], lr=1e-2)
+    refs = [[p.detach().clone(), torch.zeros_like(p), torch.zeros_like(p)] for p in sr_ps]
+    pref = [plain.detach().clone(), torch.zeros(50), torch.zeros(50)]
+    for step in range(1, 6):
+        for p, r in zip(sr_ps, refs):
+            p.grad = torch.randn(p.shape).bfloat16()
+            r.append(p.grad.clone())
+        plain.grad = torch.randn(50)
+        opt.step()
+        for p, r in zip(sr_ps, refs):
+            hp = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 1e-2, step, adam_w_mode=True)
+            reference_adam_sr_(r[0], r.pop(), r[1], r[2], hp, lowbit.sr_key(opt.state[p]["sr_seed"], step))
+            assert torch.equal(p.detach().view(torch.int16), r[0].view(torch.int16)), step
+            assert torch.equal(opt.state[p]["exp_avg_sq"], r[2]) and opt.state[p]["step"] == step
+        reference_adam_(pref[0], plain.grad, pref[1], pref[2], AdamHyper(1e-2, 0.9, 0.999, 1e-8, 1e-2, step,
+                                                                         adam_w_mode=True))
+        assert torch.equal(plain.detach(), pref[0])
+    assert 0 not in opt._plans
+    if step_plan.native() is not None:
+        assert isinstance(opt._plans.get(1), step_plan.Plan) and opt._plans[1].uses == 4
