@@ -1,7 +1,7 @@
 """The numeric contract of the low-bit rules: 8-bit block-wise Adam states and bf16 stochastic
 rounding (host side: constants, quantization maps, per-call scalars, the random-bit hash).
 
-Everything a kernel needs beyond the Adam contract (DESIGN.md section 2, version 2) is defined
+Everything a kernel needs beyond the Adam contract (the README's "Numeric contract", version 2) is defined
 here once; ``reference_lowbit.py`` states the per-element and per-block math in plain torch.
 
 8-bit states (``AdamW8bit``/``Adam8bit``), after Dettmers et al. 2021 and bitsandbytes 0.50:
@@ -20,7 +20,7 @@ here once; ``reference_lowbit.py`` states the per-element and per-block math in 
   ``k`` = ``(map[k] + map[k+1]) / 2`` in fp32): the nearest code, ties to the lower code, NaN to
   code 0. For the second moment a positive ``x`` never maps to the zero code (code 1 instead), so
   a non-zero second moment is never stored as zero.
-- The known hazard (DESIGN.md, "Facts for the low-bit rules"): a dequantized second moment far
+- The known hazard (checked against bitsandbytes 0.50 and an emulation of its CUDA rule): a dequantized second moment far
   below the true one makes ``m / (sqrt(v) * d2 + eps)`` explode (up to ``m / eps``). Exact Adam
   cannot exceed the Cauchy-Schwarz bound
   ``|m| * sqrt(bc2) / sqrt(v) <= (1 - beta1) * sqrt(bc2 * S_t / (1 - beta2))`` with
