@@ -22,8 +22,10 @@ import time
 
 import torch
 
+import zero_runner  # noqa: E402  (this folder is sys.path[0] when run as a script)
+
 STEPS = 8
-MICRO_BATCH = 8
+MICRO_BATCH = zero_runner.MICRO_BATCH
 LR, WD = 1e-2, 0.01
 
 
@@ -51,16 +53,8 @@ def _reference_child(*args, **kwargs):
     return zenflow._original["zenflow_optimizer_process"](*args, **kwargs)
 
 
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(1234)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
-                               torch.nn.Linear(32, 4))
-
-
 def make_data(world_size: int):
-    g = torch.Generator().manual_seed(99)
-    return (torch.randn(STEPS, world_size * MICRO_BATCH, 16, generator=g),
-            torch.randn(STEPS, world_size * MICRO_BATCH, 4, generator=g))
+    return zero_runner.make_data(world_size, STEPS)
 
 
 def ds_config(stage: int, dtype: str, lr: float) -> dict:
@@ -80,7 +74,7 @@ def run_one(stage: int, dtype: str, lr: float, rank: int, world_size: int) -> di
     from mps_fused_adam.deepspeed import zenflow
     from mps_fused_adam.deepspeed.ops import CPU_ADAM_OP
 
-    model = make_model()
+    model = zero_runner.make_model()
     xs, ys = make_data(world_size)
     sl = slice(rank * MICRO_BATCH, (rank + 1) * MICRO_BATCH)
     t0 = time.perf_counter()

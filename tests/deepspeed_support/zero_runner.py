@@ -93,11 +93,11 @@ def make_model() -> torch.nn.Module:
                                torch.nn.Linear(32, 4))
 
 
-def make_data(world_size: int):
-    """STEPS global batches of world_size * MICRO_BATCH samples; rank r trains on slice r."""
+def make_data(world_size: int, steps: int = STEPS):
+    """``steps`` global batches of world_size * MICRO_BATCH samples; rank r trains on slice r."""
     g = torch.Generator().manual_seed(99)
-    xs = torch.randn(STEPS, world_size * MICRO_BATCH, 16, generator=g)
-    ys = torch.randn(STEPS, world_size * MICRO_BATCH, 4, generator=g)
+    xs = torch.randn(steps, world_size * MICRO_BATCH, 16, generator=g)
+    ys = torch.randn(steps, world_size * MICRO_BATCH, 4, generator=g)
     return xs, ys
 
 
