@@ -17,15 +17,7 @@ Adam (v2), host::
     decay = 1 - lr * wd           (AdamW mode; 1 in L2 mode)
     omb1 = 1 - beta1, omb2 = 1 - beta2; beta1, beta2, eps, wd as given
 
-element::
-
-    if maximize: g = -g
-    if L2 mode:  g = g + wd * p
-    m = beta1 * m + omb1 * g
-    v = beta2 * v + omb2 * (g * g)
-    denom = sqrt(v) * d2 + eps
-    if AdamW mode: p = p * decay
-    p = p - step_size * (m / denom)
+The element math is stated once, in ``reference.reference_adam_``.
 
 How to add an update rule (Lion, Adagrad, ...): a local change in five places, each one entry.
 
