@@ -127,15 +127,18 @@ def main() -> None:
         basic = basic.optimizer
     import mps_fused_adam.backends as backends
 
-    if rank != 0:
-        engine.destroy()
-        return
-    print(f"DeepSpeed optimizer: {type(basic).__module__}.{type(basic).__name__}")
-    print("mps_fused_adam kernels that ran (facade:backend -> calls): "
-          + (", ".join(f"{k} -> {n}" for k, n in sorted(mfd.kernel_calls().items())) or "none (torch's own optimizer)"))
-    print(f"backends: {backends.backend_info()}")
-    print(f"{seconds:.2f} s from deepspeed.initialize to step {args.steps}")
+    if rank == 0:
+        print(f"DeepSpeed optimizer: {type(basic).__module__}.{type(basic).__name__}")
+        print("mps_fused_adam kernels that ran (facade:backend -> calls): "
+              + (", ".join(f"{k} -> {n}" for k, n in sorted(mfd.kernel_calls().items()))
+                 or "none (torch's own optimizer)"))
+        print(f"backends: {backends.backend_info()}")
+        print(f"{seconds:.2f} s from deepspeed.initialize to step {args.steps}")
     engine.destroy()
+    # Every rank leaves the process group together: a rank that exits while gloo's threads still
+    # serve the group can abort ("terminate called without an active exception").
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
