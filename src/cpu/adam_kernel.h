@@ -149,9 +149,12 @@ inline void fill_row(SpanFn (&row)[static_cast<int>(Combo::Count)]) {
   row[int(Combo::BF16SR_BF16)] = span_kernel<Rule, mfa::bf16sr, mfa::bf16>;
 }
 
+#include "adam8bit_kernel.h"
+
 inline IsaTable make_table(const char* name) {
   IsaTable t{};
   t.name = name;
+  fill_adam8bit(t);
 #define MFA_FILL_ROW(id, rname, functor, scalars, states)                                       \
   static_assert(functor::kStates == (states) && (states) <= kMaxStates, "state count of " rname); \
   static_assert(std::is_same<functor::Scalars, scalars>::value, "scalar struct of " rname);      \

@@ -72,9 +72,48 @@ enum class Combo : int { F32_F32 = 0, F16_F32, F16_F16, BF16_F32, BF16_BF16, BF1
 // struct at `scalars` (suitably aligned).
 using SpanFn = void (*)(const Span&, int64_t begin, int64_t end, const void* scalars);
 
+// ---- 8-bit block-wise Adam (lowbit.py's contract; adam8bit_kernel.h, adam8bit.cpp) ----------
+
+constexpr int64_t kQ8Block = 256;  // elements per block: one fp32 scale (absmax) per moment
+
+// lowbit.Adam8bitScalars: contract v2's Adam scalars with the clamp after `decay` ("<10f2I").
+struct Adam8bitScalars {
+  float beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, step_size, d2, decay, clip;
+  uint32_t adam_w_mode, maximize;
+};
+static_assert(sizeof(Adam8bitScalars) == 48, "must match lowbit.ADAM8BIT_STRUCT");
+
+// One 8-bit map as the CPU quantizer reads it: the 256 code values, the 255 midpoints padded with
+// +inf, and per 2^16 fp32 bit patterns (in value order) the number of midpoints below them. No
+// such bucket holds two midpoints of either map (checked when the table is built), so one
+// comparison finds the nearest code.
+struct Q8Map {
+  const float* values;
+  const float* mid;      // 256 entries: mid[255] = +inf
+  const uint8_t* start;  // 65536 entries, then 3 readable pad bytes (32-bit gathers)
+};
+
+struct Q8Job {
+  void* param;
+  const void* grad;
+  uint8_t* codes1;
+  float* absmax1;
+  uint8_t* codes2;
+  float* absmax2;
+  int64_t n;
+  Q8Map map1, map2;  // signed (first moment), unsigned (second)
+  Adam8bitScalars s;
+  uint32_t sr_key;
+};
+
+// Blocks [b0, b1) of one job, for one param storage (Q8Param).
+using Q8Fn = void (*)(const Q8Job&, int64_t b0, int64_t b1);
+enum class Q8Param : int { F32 = 0, F16, BF16, BF16SR, Count };
+
 struct IsaTable {
   const char* name;
   SpanFn fn[static_cast<int>(RuleId::Count)][static_cast<int>(Combo::Count)];
+  Q8Fn adam8bit[static_cast<int>(Q8Param::Count)];
 };
 
 }  // namespace mfa

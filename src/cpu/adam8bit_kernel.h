@@ -1,0 +1,223 @@
+// The 8-bit block-wise Adam step (lowbit.py's contract, reference_lowbit.py) over whole blocks,
+// generic over the ISA's `Vec`. Included by each adam_<isa>.cpp after adam_kernel.h (it reuses
+// ParamStorage, so stochastic rounding is the span loop's), inside that build's own namespace.
+//
+// A block is two passes over L1-resident scratch: dequantize, Adam v2 with the clamp, store the
+// param, and track each moment's absmax; then requantize with the new scales. The three table
+// operations (dequantize, absmax, nearest code) are the only ISA-specific parts: gathers on
+// AVX2/AVX-512, a lane loop elsewhere. Every path performs the reference's fp32 operations in its
+// order (built with -ffp-contract=off), so all paths agree bit for bit.
+#pragma once
+
+namespace q8 {
+
+constexpr int W = Vec::W;
+using F = Vec::F;
+
+#if defined(MFA_ISA_AVX512)
+using Acc = __m512i;  // running max of |x|'s bit patterns
+inline Acc acc_zero() { return _mm512_setzero_si512(); }
+inline F dequant(const uint8_t* c, const float* values, F scale) {
+  const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+  return _mm512_mul_ps(_mm512_i32gather_ps(idx, values, 4), scale);
+}
+inline Acc acc_max(Acc a, F x) {
+  return _mm512_max_epu32(a, _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF)));
+}
+inline uint32_t acc_reduce(Acc a) { return _mm512_reduce_max_epu32(a); }
+inline F clamp(F u, F lo, F hi) {  // NaN stays NaN: min/max return their second operand then
+  return _mm512_max_ps(lo, _mm512_min_ps(hi, u));
+}
+// Nearest code of each lane (see Q8Map); NaN -> 0; with `positive_floor`, a positive x never 0.
+inline void quantize(uint8_t* out, F x, const Q8Map& map, bool positive_floor) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i key = _mm512_xor_si512(u, _mm512_or_si512(_mm512_srai_epi32(u, 31), _mm512_set1_epi32(INT32_MIN)));
+  __m512i c = _mm512_i32gather_epi32(_mm512_srli_epi32(key, 16), map.start, 1);
+  c = _mm512_and_si512(c, _mm512_set1_epi32(0xFF));
+  const __mmask16 up = _mm512_cmp_ps_mask(_mm512_i32gather_ps(c, map.mid, 4), x, _CMP_LT_OQ);
+  const __m512i one = _mm512_set1_epi32(1);
+  c = _mm512_mask_add_epi32(c, up, c, one);
+  c = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), c);
+  if (positive_floor) {
+    const __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
+    c = _mm512_mask_max_epu32(c, pos, c, one);
+  }
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(c));
+}
+#elif defined(MFA_ISA_AVX2)
+using Acc = __m256i;
+inline Acc acc_zero() { return _mm256_setzero_si256(); }
+inline F dequant(const uint8_t* c, const float* values, F scale) {
+  const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
+  return _mm256_mul_ps(_mm256_i32gather_ps(values, idx, 4), scale);
+}
+inline Acc acc_max(Acc a, F x) {
+  return _mm256_max_epu32(a, _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7FFFFFFF)));
+}
+inline uint32_t acc_reduce(Acc a) {
+  __m128i m = _mm_max_epu32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4E));
+  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0xB1));
+  return uint32_t(_mm_cvtsi128_si32(m));
+}
+inline F clamp(F u, F lo, F hi) { return _mm256_max_ps(lo, _mm256_min_ps(hi, u)); }
+inline void quantize(uint8_t* out, F x, const Q8Map& map, bool positive_floor) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i key = _mm256_xor_si256(u, _mm256_or_si256(_mm256_srai_epi32(u, 31), _mm256_set1_epi32(INT32_MIN)));
+  __m256i c = _mm256_i32gather_epi32(reinterpret_cast<const int*>(map.start), _mm256_srli_epi32(key, 16), 1);
+  c = _mm256_and_si256(c, _mm256_set1_epi32(0xFF));
+  const __m256 up = _mm256_cmp_ps(_mm256_i32gather_ps(map.mid, c, 4), x, _CMP_LT_OQ);
+  c = _mm256_sub_epi32(c, _mm256_castps_si256(up));  // a true mask is -1
+  c = _mm256_and_si256(c, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q)));
+  if (positive_floor) {
+    const __m256i pos = _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ));
+    c = _mm256_max_epu32(c, _mm256_and_si256(pos, _mm256_set1_epi32(1)));
+  }
+  const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(w, w));
+}
+#else
+// Scalar and NEON: the same operations one lane at a time (NEON has no gather).
+struct Acc { uint32_t lane[W]; };
+inline Acc acc_zero() { return Acc{}; }
+inline uint32_t bits_of(float x) { uint32_t u; __builtin_memcpy(&u, &x, 4); return u; }
+inline F dequant(const uint8_t* c, const float* values, F scale) {
+  float t[W];
+  for (int k = 0; k < W; ++k) t[k] = values[c[k]];
+  return Vec::load(t) * scale;
+}
+inline Acc acc_max(Acc a, F x) {
+  float t[W];
+  Vec::store(t, x);
+  for (int k = 0; k < W; ++k) {
+    const uint32_t b = bits_of(t[k]) & 0x7FFFFFFFu;
+    a.lane[k] = b > a.lane[k] ? b : a.lane[k];
+  }
+  return a;
+}
+inline uint32_t acc_reduce(const Acc& a) {
+  uint32_t m = 0;
+  for (int k = 0; k < W; ++k) m = a.lane[k] > m ? a.lane[k] : m;
+  return m;
+}
+inline F clamp(F u, F lo, F hi) {
+  float t[W], l[W], h[W];
+  Vec::store(t, u);
+  Vec::store(l, lo);
+  Vec::store(h, hi);
+  for (int k = 0; k < W; ++k) {
+    if (t[k] > h[k]) t[k] = h[k];
+    if (t[k] < l[k]) t[k] = l[k];
+  }
+  return Vec::load(t);
+}
+inline void quantize(uint8_t* out, F x, const Q8Map& map, bool positive_floor) {
+  float t[W];
+  Vec::store(t, x);
+  for (int k = 0; k < W; ++k) {
+    const float v = t[k];
+    const uint32_t u = bits_of(v);
+    const uint32_t key = u ^ ((u >> 31 ? 0xFFFFFFFFu : 0u) | 0x80000000u);
+    uint32_t c = map.start[key >> 16];
+    c += map.mid[c] < v ? 1u : 0u;
+    if (v != v) c = 0;
+    if (positive_floor && c == 0 && v > 0.0f) c = 1;
+    out[k] = uint8_t(c);
+  }
+}
+#endif
+
+inline float from_bits(uint32_t u) { float f; __builtin_memcpy(&f, &u, 4); return f; }
+
+// Blocks [b0, b1): the 8-bit step of lowbit.py, one block after another.
+template <class PS>
+void adam8bit_blocks(const Q8Job& job, int64_t b0, int64_t b1) {
+  using P = typename ParamStorage<PS>::T;
+  const Adam8bitScalars& s = job.s;
+  const F beta1 = Vec::set1(s.beta1), beta2 = Vec::set1(s.beta2), omb1 = Vec::set1(s.one_minus_beta1),
+          omb2 = Vec::set1(s.one_minus_beta2), eps = Vec::set1(s.eps), wd = Vec::set1(s.weight_decay),
+          step_size = Vec::set1(s.step_size), d2 = Vec::set1(s.d2), decay = Vec::set1(s.decay),
+          clip = Vec::set1(s.clip), nclip = Vec::set1(-s.clip);
+  const bool adam_w_mode = s.adam_w_mode != 0, maximize = s.maximize != 0;
+  P* param = static_cast<P*>(job.param);
+  const P* grad = static_cast<const P*>(job.grad);
+  alignas(64) float mb[kQ8Block], vb[kQ8Block];
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t lo = b * kQ8Block;
+    const int len = int(job.n - lo < kQ8Block ? job.n - lo : kQ8Block);
+    const F a1 = Vec::set1(job.absmax1[b]), a2 = Vec::set1(job.absmax2[b]);
+    Acc mx1 = acc_zero(), mx2 = acc_zero();
+    for (int j = 0; j < len; j += W) {
+      const int r = len - j < W ? len - j : W;
+      // A short last vector goes through the same math on zero-padded copies; its pad lanes
+      // are zeroed again before they could reach the absmax.
+      P pb[W] = {}, gb[W] = {};
+      uint8_t cb1[W] = {}, cb2[W] = {};
+      P* pp = param + lo + j;
+      const P* gp = grad + lo + j;
+      const uint8_t* c1 = job.codes1 + lo + j;
+      const uint8_t* c2 = job.codes2 + lo + j;
+      if (r < W) {
+        for (int k = 0; k < r; ++k) {
+          pb[k] = pp[k];
+          gb[k] = gp[k];
+          cb1[k] = c1[k];
+          cb2[k] = c2[k];
+        }
+        pp = pb;
+        gp = gb;
+        c1 = cb1;
+        c2 = cb2;
+      }
+      F p = Vec::load(pp), g = Vec::load(gp);
+      F m = dequant(c1, job.map1.values, a1);
+      F v = dequant(c2, job.map2.values, a2);
+      if (maximize) g = Vec::neg(g);
+      if (!adam_w_mode) g = g + wd * p;
+      m = beta1 * m + omb1 * g;
+      v = beta2 * v + omb2 * (g * g);
+      const F denom = Vec::sqrt(v) * d2 + eps;
+      const F u = clamp(m / denom, nclip, clip);
+      if (adam_w_mode) p = p * decay;
+      p = p - step_size * u;
+      ParamStorage<PS>::store(pp, p, job.sr_key, lo + j);
+      Vec::store(mb + j, m);
+      Vec::store(vb + j, v);
+      if (r < W) {
+        for (int k = 0; k < r; ++k) param[lo + j + k] = pb[k];
+        for (int k = r; k < W; ++k) mb[j + k] = vb[j + k] = 0.0f;
+        m = Vec::load(mb + j);
+        v = Vec::load(vb + j);
+      }
+      mx1 = acc_max(mx1, m);
+      mx2 = acc_max(mx2, v);
+    }
+    // The absmax as the reference's amax of |x|: non-negative floats order as their bit
+    // patterns, and any NaN pattern lies above +inf's, so a NaN anywhere makes the scale NaN.
+    const float s1 = from_bits(acc_reduce(mx1)), s2 = from_bits(acc_reduce(mx2));
+    const F inv1 = Vec::set1(s1 == 0.0f ? 0.0f : 1.0f / s1), inv2 = Vec::set1(s2 == 0.0f ? 0.0f : 1.0f / s2);
+    for (int j = 0; j < len; j += W) {
+      const int r = len - j < W ? len - j : W;
+      uint8_t q1[W], q2[W];
+      uint8_t* o1 = r < W ? q1 : job.codes1 + lo + j;
+      uint8_t* o2 = r < W ? q2 : job.codes2 + lo + j;
+      quantize(o1, Vec::load(mb + j) * inv1, job.map1, false);
+      quantize(o2, Vec::load(vb + j) * inv2, job.map2, true);
+      for (int k = 0; k < r && r < W; ++k) {
+        job.codes1[lo + j + k] = q1[k];
+        job.codes2[lo + j + k] = q2[k];
+      }
+    }
+    job.absmax1[b] = s1;
+    job.absmax2[b] = s2;
+  }
+}
+
+}  // namespace q8
+
+inline void fill_adam8bit(IsaTable& t) {
+  t.adam8bit[int(Q8Param::F32)] = q8::adam8bit_blocks<float>;
+  t.adam8bit[int(Q8Param::F16)] = q8::adam8bit_blocks<mfa::f16>;
+  t.adam8bit[int(Q8Param::BF16)] = q8::adam8bit_blocks<mfa::bf16>;
+  t.adam8bit[int(Q8Param::BF16SR)] = q8::adam8bit_blocks<mfa::bf16sr>;
+}
