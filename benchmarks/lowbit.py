@@ -21,6 +21,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import mps_fused_adam as mfa  # noqa: E402
+from mps_fused_adam import lowbit  # noqa: E402
+from mps_fused_adam.contract import AdamHyper  # noqa: E402
 from mps_fused_adam.optim8bit import state_bytes_per_param  # noqa: E402
 from mps_fused_adam.timing import interleaved  # noqa: E402
 from test_lowbit_training import LR, make_student, make_task  # noqa: E402
@@ -107,13 +109,28 @@ def memory_table() -> list[str]:
     return ["| set-up | param + grad | state | total (bytes/param) |", "| --- | --- | --- | --- |"] + rows
 
 
-def speed(size: int, repeats: int) -> list[str]:
+def _floor8(p: torch.Tensor):
+    """The memory floor of the 8-bit step (the kernel's own blocks, threads and bytes, trivial
+    math) on tensors of its own: its math would otherwise corrupt the shared ones."""
+    from mps_fused_adam import _cpu
+    from mps_fused_adam.optim8bit import _PARAM_CODES
+    n, nb = p.numel(), lowbit.num_blocks(p.numel())
+    own = [p.detach().clone(), p.grad.clone(), torch.zeros(n, dtype=torch.uint8), torch.zeros(nb),
+           torch.zeros(n, dtype=torch.uint8), torch.zeros(nb)]
+    args = [t.data_ptr() for t in own[:6]] + [n, _PARAM_CODES[p.dtype], lowbit.kernel_table(True).data_ptr(),
+                                              lowbit.kernel_table(False).data_ptr(),
+                                              lowbit.pack_adam8bit(AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, 1)), 0, False]
+    return lambda: (own, _cpu.adam8bit_step(*args, torch.get_num_threads(), floor=True))[1]
+
+
+def speed(size: int, repeats: int, threads: int) -> list[str]:
     def flat(dtype):
         torch.manual_seed(0)
         p = torch.nn.Parameter(torch.randn(size).to(dtype))
         p.grad = (torch.randn(size) * 1e-2).to(dtype)
         return p
 
+    torch.set_num_threads(threads)
     contenders, notes = {}, []
     for name, dtype, make in [
         ("torch AdamW(fused=True) fp32", torch.float32, lambda ps: torch.optim.AdamW(ps, fused=True)),
@@ -121,11 +138,14 @@ def speed(size: int, repeats: int) -> list[str]:
         ("ours AdamW8bit fp32", torch.float32, lambda ps: mfa.AdamW8bit(ps)),
         ("ours AdamW bf16 (round to nearest)", torch.bfloat16, lambda ps: mfa.AdamW(ps)),
         ("ours AdamW bf16 + stochastic rounding", torch.bfloat16, lambda ps: mfa.AdamW(ps, bf16_stochastic_round=True)),
+        ("ours AdamW8bit bf16", torch.bfloat16, lambda ps: mfa.AdamW8bit(ps)),
         ("ours AdamW8bit bf16 + stochastic rounding", torch.bfloat16,
          lambda ps: mfa.AdamW8bit(ps, bf16_stochastic_round=True)),
     ]:
         opt = make([flat(dtype)])
         contenders[name] = opt.step
+    contenders[FLOOR8 + " fp32"] = _floor8(flat(torch.float32))
+    contenders[FLOOR8 + " bf16"] = _floor8(flat(torch.bfloat16))
     try:
         import bitsandbytes as bnb
         contenders["bitsandbytes AdamW8bit fp32"] = bnb.optim.AdamW8bit([flat(torch.float32)]).step
@@ -135,15 +155,22 @@ def speed(size: int, repeats: int) -> list[str]:
         from torchao.optim import AdamW8bit as AoAdamW8bit
         contenders["torchao AdamW8bit fp32"] = AoAdamW8bit([flat(torch.float32)]).step
     except Exception as exc:
-        notes.append(f"torchao: not importable ({type(exc).__name__})")
+        notes.append(f"torchao: not importable ({type(exc).__name__}: {exc})")
     times = interleaved(contenders, repeats)
     base = times["torch AdamW(fused=True) fp32"]
-    rows = ["| contender | ns/elem | vs torch fused fp32 |", "| --- | --- | --- |"]
+    rows = [f"\n### {threads} thread(s)\n", "| contender | ns/elem | vs torch fused fp32 | speed vs 8-bit floor |",
+            "| --- | --- | --- | --- |"]
     for name, t in times.items():
-        rows.append(f"| {name} | {t / size * 1e9:.3f} | {base / t:.2f}x |")
+        floor = times[FLOOR8 + (" bf16" if "bf16" in name else " fp32")]
+        of_floor = f"{floor / t:.2f}" if ("8bit" in name.lower() or name.startswith(FLOOR8)) else "-"
+        rows.append(f"| {name} | {t / size * 1e9:.3f} | {base / t:.2f}x | {of_floor} |")
     sr = times["ours AdamW bf16 + stochastic rounding"] / times["ours AdamW bf16 (round to nearest)"] - 1
-    rows.append(f"\nstochastic rounding overhead over round-to-nearest (bf16 AdamW): {sr:+.1%}")
+    sr8 = times["ours AdamW8bit bf16 + stochastic rounding"] / times["ours AdamW8bit bf16"] - 1
+    rows.append(f"\nstochastic rounding overhead over round-to-nearest: bf16 AdamW {sr:+.1%}, bf16 AdamW8bit {sr8:+.1%}")
     return rows + [f"\n{n}" for n in notes]
+
+
+FLOOR8 = "8-bit memory floor"
 
 
 def main() -> None:
@@ -151,10 +178,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--size", type=int, default=1 << 24)
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
+    ap.add_argument("--no-train", action="store_true", help="speed only: no training curves, nothing written")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "lowbit"))
     args = ap.parse_args()
     lines = [f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
              f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"]
+    if args.no_train:
+        lines.append(f"\n## CPU step, flat {args.size} elements, interleaved, median of {args.repeats}")
+        for t in args.threads:
+            lines += speed(args.size, args.repeats, t)
+        print("\n".join(lines))
+        return
     curves = {k: train(k, args.steps) for k in ("fp32", "8bit", "bf16-sr", "bf16", "bf16-kahan", "8bit-bf16-sr")}
     final = {k: sum(v[-50:]) / 50 for k, v in curves.items()}
     lines.append(f"\n## Training ({args.steps} steps, lr {LR}); final loss (mean of last 50) relative to fp32 AdamW")
@@ -162,7 +197,8 @@ def main() -> None:
     lines.append("\n## Optimizer state per parameter (1M-element tensor)")
     lines += memory_table()
     lines.append(f"\n## CPU step, flat {args.size} elements, interleaved, median of {args.repeats}")
-    lines += speed(args.size, args.repeats)
+    for t in args.threads:
+        lines += speed(args.size, args.repeats, t)
     text = "\n".join(lines) + "\n"
     print(text)
     with open(args.out + ".txt", "w") as f:

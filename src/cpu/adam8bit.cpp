@@ -29,8 +29,8 @@ constexpr int kCodes = 256;
 // The quantizer's tables of one map (Q8Map), built from its 256 values and 255 midpoints.
 struct Q8Tables {
   std::vector<float> values, mid;
-  std::vector<uint8_t> start;
-  Q8Map view() const { return Q8Map{values.data(), mid.data(), start.data()}; }
+  std::vector<uint32_t> bucket;
+  Q8Map view() const { return Q8Map{values.data(), bucket.data()}; }
 };
 
 uint32_t order_key(float x) {
@@ -43,16 +43,17 @@ std::unique_ptr<Q8Tables> build_tables(const float* values, const float* mids) {
   auto t = std::make_unique<Q8Tables>();
   t->values.assign(values, values + kCodes);
   t->mid.assign(mids, mids + kCodes - 1);
-  t->mid.push_back(__builtin_inff());  // never below x: the last code has no midpoint above it
-  t->start.assign((size_t(1) << 16) + 3, 0);
-  size_t c = 0;
+  t->bucket.assign(size_t(1) << 16, 0);
+  uint32_t c = 0;
   for (uint32_t bucket = 0; bucket < (1u << 16); ++bucket) {
-    const uint64_t lo = uint64_t(bucket) << 16;
-    while (c < kCodes - 1 && order_key(mids[c]) < lo) ++c;
-    t->start[bucket] = uint8_t(c);
-    // One comparison finds the code only if no bucket holds two midpoints.
-    if (c + 1 < kCodes - 1 && (order_key(mids[c + 1]) >> 16) == bucket)
-      throw std::invalid_argument("8-bit map: two midpoints within 2^16 fp32 bit patterns; not supported");
+    while (c < kCodes - 1 && (order_key(mids[c]) >> 16) < bucket) ++c;
+    uint32_t low = 0xFFFF;  // no midpoint here: no x of the bucket lies above one
+    if (c < kCodes - 1 && (order_key(mids[c]) >> 16) == bucket) {
+      low = order_key(mids[c]) & 0xFFFF;
+      if (c + 1 < kCodes - 1 && (order_key(mids[c + 1]) >> 16) == bucket)
+        throw std::invalid_argument("8-bit map: two midpoints within 2^16 fp32 bit patterns; not supported");
+    }
+    t->bucket[bucket] = (c << 16) | low;
   }
   return t;
 }
@@ -89,7 +90,7 @@ T* ptr(uintptr_t a) {
 
 void adam8bit_step(uintptr_t param, uintptr_t grad, uintptr_t codes1, uintptr_t absmax1, uintptr_t codes2,
                    uintptr_t absmax2, int64_t n, int param_dtype, uintptr_t map1, uintptr_t map2,
-                   nb::bytes scalars, uint32_t sr_key, bool sr, int num_threads) {
+                   nb::bytes scalars, uint32_t sr_key, bool sr, int num_threads, bool floor) {
   if (n < 0) throw std::invalid_argument("negative element count");
   if (scalars.size() != sizeof(Adam8bitScalars))
     throw std::invalid_argument("adam8bit takes a " + std::to_string(sizeof(Adam8bitScalars)) +
@@ -115,7 +116,7 @@ void adam8bit_step(uintptr_t param, uintptr_t grad, uintptr_t codes1, uintptr_t 
   const Q8Param kind = param_dtype == 0 ? Q8Param::F32
                        : param_dtype == 1 ? Q8Param::F16
                        : sr ? Q8Param::BF16SR : Q8Param::BF16;
-  job.fn = active_isa().adam8bit[int(kind)];
+  job.fn = (floor ? active_isa().adam8bit_floor : active_isa().adam8bit)[int(kind)];
   // Below 128 blocks (32K elements) per thread, waking another costs more than it saves.
   job.threads = int(std::max<int64_t>(1, std::min<int64_t>(std::max(num_threads, 1), job.blocks / 128)));
   nb::gil_scoped_release release;
@@ -128,11 +129,12 @@ void register_adam8bit(nb::module_& m) {
   m.def("adam8bit_step", &adam8bit_step, nb::arg("param"), nb::arg("grad"), nb::arg("codes1"),
         nb::arg("absmax1"), nb::arg("codes2"), nb::arg("absmax2"), nb::arg("n"), nb::arg("param_dtype"),
         nb::arg("map1"), nb::arg("map2"), nb::arg("scalars"), nb::arg("sr_key"), nb::arg("sr"),
-        nb::arg("num_threads"),
+        nb::arg("num_threads"), nb::arg("floor") = false,
         "One 8-bit block-wise Adam step over one contiguous tensor given as host addresses: codes\n"
         "(uint8) and block scales (fp32) of both moments; map1/map2 hold the 256 code values followed\n"
         "by the 255 midpoints, a pad and the start counts (lowbit.kernel_table); scalars is lowbit.pack_adam8bit(hyper); with sr,\n"
-        "a bf16 param is stored by stochastic rounding with sr_key. Releases the GIL.");
+        "a bf16 param is stored by stochastic rounding with sr_key. With floor, the benchmark's memory\n"
+        "floor instead: the same bytes read and written, trivial math. Releases the GIL.");
 }
 
 }  // namespace mfa

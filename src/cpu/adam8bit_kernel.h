@@ -32,10 +32,11 @@ inline F clamp(F u, F lo, F hi) {  // NaN stays NaN: min/max return their second
 inline void quantize(uint8_t* out, F x, const Q8Map& map, bool positive_floor) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i key = _mm512_xor_si512(u, _mm512_or_si512(_mm512_srai_epi32(u, 31), _mm512_set1_epi32(INT32_MIN)));
-  __m512i c = _mm512_i32gather_epi32(_mm512_srli_epi32(key, 16), map.start, 1);
-  c = _mm512_and_si512(c, _mm512_set1_epi32(0xFF));
-  const __mmask16 up = _mm512_cmp_ps_mask(_mm512_i32gather_ps(c, map.mid, 4), x, _CMP_LT_OQ);
+  const __m512i e = _mm512_i32gather_epi32(_mm512_srli_epi32(key, 16), map.bucket, 4);
+  const __m512i low = _mm512_set1_epi32(0xFFFF);
+  const __mmask16 up = _mm512_cmpgt_epu32_mask(_mm512_and_si512(key, low), _mm512_and_si512(e, low));
   const __m512i one = _mm512_set1_epi32(1);
+  __m512i c = _mm512_srli_epi32(e, 16);
   c = _mm512_mask_add_epi32(c, up, c, one);
   c = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), c);
   if (positive_floor) {
@@ -64,10 +65,11 @@ inline F clamp(F u, F lo, F hi) { return _mm256_max_ps(lo, _mm256_min_ps(hi, u))
 inline void quantize(uint8_t* out, F x, const Q8Map& map, bool positive_floor) {
   const __m256i u = _mm256_castps_si256(x);
   const __m256i key = _mm256_xor_si256(u, _mm256_or_si256(_mm256_srai_epi32(u, 31), _mm256_set1_epi32(INT32_MIN)));
-  __m256i c = _mm256_i32gather_epi32(reinterpret_cast<const int*>(map.start), _mm256_srli_epi32(key, 16), 1);
-  c = _mm256_and_si256(c, _mm256_set1_epi32(0xFF));
-  const __m256 up = _mm256_cmp_ps(_mm256_i32gather_ps(map.mid, c, 4), x, _CMP_LT_OQ);
-  c = _mm256_sub_epi32(c, _mm256_castps_si256(up));  // a true mask is -1
+  const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(map.bucket), _mm256_srli_epi32(key, 16), 4);
+  // Unsigned 16-bit halves compare correctly as signed 32-bit integers.
+  const __m256i low = _mm256_set1_epi32(0xFFFF);
+  const __m256i up = _mm256_cmpgt_epi32(_mm256_and_si256(key, low), _mm256_and_si256(e, low));
+  __m256i c = _mm256_sub_epi32(_mm256_srli_epi32(e, 16), up);  // a true mask is -1
   c = _mm256_and_si256(c, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q)));
   if (positive_floor) {
     const __m256i pos = _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ));
@@ -118,8 +120,8 @@ inline void quantize(uint8_t* out, F x, const Q8Map& map, bool positive_floor) {
     const float v = t[k];
     const uint32_t u = bits_of(v);
     const uint32_t key = u ^ ((u >> 31 ? 0xFFFFFFFFu : 0u) | 0x80000000u);
-    uint32_t c = map.start[key >> 16];
-    c += map.mid[c] < v ? 1u : 0u;
+    const uint32_t e = map.bucket[key >> 16];
+    uint32_t c = (e >> 16) + ((key & 0xFFFFu) > (e & 0xFFFFu) ? 1u : 0u);
     if (v != v) c = 0;
     if (positive_floor && c == 0 && v > 0.0f) c = 1;
     out[k] = uint8_t(c);
@@ -139,77 +141,112 @@ void adam8bit_blocks(const Q8Job& job, int64_t b0, int64_t b1) {
           step_size = Vec::set1(s.step_size), d2 = Vec::set1(s.d2), decay = Vec::set1(s.decay),
           clip = Vec::set1(s.clip), nclip = Vec::set1(-s.clip);
   const bool adam_w_mode = s.adam_w_mode != 0, maximize = s.maximize != 0;
-  P* param = static_cast<P*>(job.param);
-  const P* grad = static_cast<const P*>(job.grad);
+  // Locals, not job fields: byte stores may alias anything, so fields would be reloaded.
+  P* const param = static_cast<P*>(job.param);
+  const P* const grad = static_cast<const P*>(job.grad);
+  uint8_t* const codes1 = job.codes1;
+  uint8_t* const codes2 = job.codes2;
+  float* const absmax1 = job.absmax1;
+  float* const absmax2 = job.absmax2;
+  const Q8Map map1 = job.map1, map2 = job.map2;
+  const int64_t n = job.n;
+  const uint32_t sr_key = job.sr_key;
   alignas(64) float mb[kQ8Block], vb[kQ8Block];
+  // One vector: dequantize, Adam v2 with the clamp, store the param; m and v come back.
+  auto update = [&](P* pp, const P* gp, const uint8_t* c1, const uint8_t* c2, int64_t index, F a1, F a2, F& m,
+                    F& v) {
+    F p = Vec::load(pp), g = Vec::load(gp);
+    m = dequant(c1, map1.values, a1);
+    v = dequant(c2, map2.values, a2);
+    if (maximize) g = Vec::neg(g);
+    if (!adam_w_mode) g = g + wd * p;
+    m = beta1 * m + omb1 * g;
+    v = beta2 * v + omb2 * (g * g);
+    const F denom = Vec::sqrt(v) * d2 + eps;
+    const F u = clamp(m / denom, nclip, clip);
+    if (adam_w_mode) p = p * decay;
+    p = p - step_size * u;
+    ParamStorage<PS>::store(pp, p, sr_key, index);
+  };
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t lo = b * kQ8Block;
-    const int len = int(job.n - lo < kQ8Block ? job.n - lo : kQ8Block);
-    const F a1 = Vec::set1(job.absmax1[b]), a2 = Vec::set1(job.absmax2[b]);
+    const int len = int(n - lo < kQ8Block ? n - lo : kQ8Block);
+    const F a1 = Vec::set1(absmax1[b]), a2 = Vec::set1(absmax2[b]);
     Acc mx1 = acc_zero(), mx2 = acc_zero();
-    for (int j = 0; j < len; j += W) {
-      const int r = len - j < W ? len - j : W;
-      // A short last vector goes through the same math on zero-padded copies; its pad lanes
-      // are zeroed again before they could reach the absmax.
-      P pb[W] = {}, gb[W] = {};
-      uint8_t cb1[W] = {}, cb2[W] = {};
-      P* pp = param + lo + j;
-      const P* gp = grad + lo + j;
-      const uint8_t* c1 = job.codes1 + lo + j;
-      const uint8_t* c2 = job.codes2 + lo + j;
-      if (r < W) {
-        for (int k = 0; k < r; ++k) {
-          pb[k] = pp[k];
-          gb[k] = gp[k];
-          cb1[k] = c1[k];
-          cb2[k] = c2[k];
-        }
-        pp = pb;
-        gp = gb;
-        c1 = cb1;
-        c2 = cb2;
-      }
-      F p = Vec::load(pp), g = Vec::load(gp);
-      F m = dequant(c1, job.map1.values, a1);
-      F v = dequant(c2, job.map2.values, a2);
-      if (maximize) g = Vec::neg(g);
-      if (!adam_w_mode) g = g + wd * p;
-      m = beta1 * m + omb1 * g;
-      v = beta2 * v + omb2 * (g * g);
-      const F denom = Vec::sqrt(v) * d2 + eps;
-      const F u = clamp(m / denom, nclip, clip);
-      if (adam_w_mode) p = p * decay;
-      p = p - step_size * u;
-      ParamStorage<PS>::store(pp, p, job.sr_key, lo + j);
+    int j = 0;
+    for (; j + W <= len; j += W) {
+      F m, v;
+      update(param + lo + j, grad + lo + j, codes1 + lo + j, codes2 + lo + j, lo + j, a1, a2, m, v);
       Vec::store(mb + j, m);
       Vec::store(vb + j, v);
-      if (r < W) {
-        for (int k = 0; k < r; ++k) param[lo + j + k] = pb[k];
-        for (int k = r; k < W; ++k) mb[j + k] = vb[j + k] = 0.0f;
-        m = Vec::load(mb + j);
-        v = Vec::load(vb + j);
-      }
       mx1 = acc_max(mx1, m);
       mx2 = acc_max(mx2, v);
+    }
+    const int r = len - j;
+    if (r > 0) {
+      // A short last vector goes through the same math on zero-padded copies; its pad lanes
+      // are zeroed before they could reach the absmax.
+      P pb[W] = {}, gb[W] = {};
+      uint8_t cb1[W] = {}, cb2[W] = {};
+      for (int k = 0; k < r; ++k) {
+        pb[k] = param[lo + j + k];
+        gb[k] = grad[lo + j + k];
+        cb1[k] = codes1[lo + j + k];
+        cb2[k] = codes2[lo + j + k];
+      }
+      F m, v;
+      update(pb, gb, cb1, cb2, lo + j, a1, a2, m, v);
+      for (int k = 0; k < r; ++k) param[lo + j + k] = pb[k];
+      Vec::store(mb + j, m);
+      Vec::store(vb + j, v);
+      for (int k = r; k < W; ++k) mb[j + k] = vb[j + k] = 0.0f;
+      mx1 = acc_max(mx1, Vec::load(mb + j));
+      mx2 = acc_max(mx2, Vec::load(vb + j));
     }
     // The absmax as the reference's amax of |x|: non-negative floats order as their bit
     // patterns, and any NaN pattern lies above +inf's, so a NaN anywhere makes the scale NaN.
     const float s1 = from_bits(acc_reduce(mx1)), s2 = from_bits(acc_reduce(mx2));
     const F inv1 = Vec::set1(s1 == 0.0f ? 0.0f : 1.0f / s1), inv2 = Vec::set1(s2 == 0.0f ? 0.0f : 1.0f / s2);
-    for (int j = 0; j < len; j += W) {
-      const int r = len - j < W ? len - j : W;
+    for (j = 0; j + W <= len; j += W) {
+      quantize(codes1 + lo + j, Vec::load(mb + j) * inv1, map1, false);
+      quantize(codes2 + lo + j, Vec::load(vb + j) * inv2, map2, true);
+    }
+    if (r > 0) {
       uint8_t q1[W], q2[W];
-      uint8_t* o1 = r < W ? q1 : job.codes1 + lo + j;
-      uint8_t* o2 = r < W ? q2 : job.codes2 + lo + j;
-      quantize(o1, Vec::load(mb + j) * inv1, job.map1, false);
-      quantize(o2, Vec::load(vb + j) * inv2, job.map2, true);
-      for (int k = 0; k < r && r < W; ++k) {
-        job.codes1[lo + j + k] = q1[k];
-        job.codes2[lo + j + k] = q2[k];
+      quantize(q1, Vec::load(mb + j) * inv1, map1, false);
+      quantize(q2, Vec::load(vb + j) * inv2, map2, true);
+      for (int k = 0; k < r; ++k) {
+        codes1[lo + j + k] = q1[k];
+        codes2[lo + j + k] = q2[k];
       }
     }
-    job.absmax1[b] = s1;
-    job.absmax2[b] = s2;
+    absmax1[b] = s1;
+    absmax2[b] = s2;
+  }
+}
+
+// The memory floor of the 8-bit step (bench): per block, the same bytes read and written
+// (param, grad, both code arrays, both scales) with trivial math.
+template <class PS>
+void adam8bit_floor_blocks(const Q8Job& job, int64_t b0, int64_t b1) {
+  using P = typename ParamStorage<PS>::T;
+  P* const param = static_cast<P*>(job.param);
+  const P* const grad = static_cast<const P*>(job.grad);
+  uint8_t* const codes1 = job.codes1;
+  uint8_t* const codes2 = job.codes2;
+  float* const absmax1 = job.absmax1;
+  float* const absmax2 = job.absmax2;
+  const int64_t n = job.n;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t lo = b * kQ8Block;
+    const int64_t hi = n - lo < kQ8Block ? n : lo + kQ8Block;
+    int64_t i = lo;
+    for (; i + W <= hi; i += W) Vec::store(param + i, Vec::load(param + i) + Vec::load(grad + i));
+    for (; i < hi; ++i) param[i] = grad[i];
+    for (i = lo; i < hi; ++i) codes1[i] = uint8_t(codes1[i] + 1u);
+    for (i = lo; i < hi; ++i) codes2[i] = uint8_t(codes2[i] + 1u);
+    absmax1[b] = absmax1[b] + 1.0f;
+    absmax2[b] = absmax2[b] + 1.0f;
   }
 }
 
@@ -220,4 +257,8 @@ inline void fill_adam8bit(IsaTable& t) {
   t.adam8bit[int(Q8Param::F16)] = q8::adam8bit_blocks<mfa::f16>;
   t.adam8bit[int(Q8Param::BF16)] = q8::adam8bit_blocks<mfa::bf16>;
   t.adam8bit[int(Q8Param::BF16SR)] = q8::adam8bit_blocks<mfa::bf16sr>;
+  t.adam8bit_floor[int(Q8Param::F32)] = q8::adam8bit_floor_blocks<float>;
+  t.adam8bit_floor[int(Q8Param::F16)] = q8::adam8bit_floor_blocks<mfa::f16>;
+  t.adam8bit_floor[int(Q8Param::BF16)] = q8::adam8bit_floor_blocks<mfa::bf16>;
+  t.adam8bit_floor[int(Q8Param::BF16SR)] = q8::adam8bit_floor_blocks<mfa::bf16>;
 }

@@ -19,15 +19,27 @@ template <> struct ParamStorage<bf16sr> {
   // AVX-512: the same hash on 16 lanes in zmm registers (GCC's auto-vectorizer stops at 256 bits).
   static inline void store(T* dst, __m512 x, uint32_t key, int64_t index) {
     const uint32_t lo0 = uint32_t(uint64_t(index)), hi0 = uint32_t(uint64_t(index) >> 32);
-    const __m512i lo = _mm512_add_epi32(_mm512_set1_epi32(int(lo0)),
-                                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    // Lanes whose low word wrapped past 2^32 belong to the next high word.
-    const __mmask16 wrap = _mm512_cmplt_epu32_mask(lo, _mm512_set1_epi32(int(lo0)));
-    const __m512i hi = _mm512_mask_add_epi32(_mm512_set1_epi32(int(hi0)), wrap, _mm512_set1_epi32(int(hi0)),
-                                             _mm512_set1_epi32(1));
-    __m512i h = _mm512_xor_si512(_mm512_set1_epi32(int(key)),
-                                 _mm512_xor_si512(_mm512_mullo_epi32(lo, _mm512_set1_epi32(int(0x9E3779B9u))),
-                                                  _mm512_mullo_epi32(hi, _mm512_set1_epi32(int(0x85EBCA77u)))));
+    __m512i h;
+    if (lo0 <= 0xFFFFFFFFu - 15u) {
+      // (lo0 + k) * C is lo0 * C + k * C modulo 2^32: one add per vector instead of a multiply,
+      // and the high word is the same in every lane, so its product folds into the key.
+      const __m512i kc = _mm512_setr_epi32(0, int(0x9E3779B9u), int(0x3C6EF372u), int(0xDAA66D2Bu), int(0x78DDE6E4u),
+                                           int(0x1715609Du), int(0xB54CDA56u), int(0x5384540Fu), int(0xF1BBCDC8u),
+                                           int(0x8FF34781u), int(0x2E2AC13Au), int(0xCC623AF3u), int(0x6A99B4ACu),
+                                           int(0x08D12E65u), int(0xA708A81Eu), int(0x454021D7u));
+      h = _mm512_xor_si512(_mm512_set1_epi32(int(key ^ (hi0 * 0x85EBCA77u))),
+                           _mm512_add_epi32(_mm512_set1_epi32(int(lo0 * 0x9E3779B9u)), kc));
+    } else {
+      const __m512i lo = _mm512_add_epi32(_mm512_set1_epi32(int(lo0)),
+                                          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+      // Lanes whose low word wrapped past 2^32 belong to the next high word.
+      const __mmask16 wrap = _mm512_cmplt_epu32_mask(lo, _mm512_set1_epi32(int(lo0)));
+      const __m512i hi = _mm512_mask_add_epi32(_mm512_set1_epi32(int(hi0)), wrap, _mm512_set1_epi32(int(hi0)),
+                                               _mm512_set1_epi32(1));
+      h = _mm512_xor_si512(_mm512_set1_epi32(int(key)),
+                           _mm512_xor_si512(_mm512_mullo_epi32(lo, _mm512_set1_epi32(int(0x9E3779B9u))),
+                                            _mm512_mullo_epi32(hi, _mm512_set1_epi32(int(0x85EBCA77u)))));
+    }
     h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
     h = _mm512_mullo_epi32(h, _mm512_set1_epi32(int(0x85EBCA6Bu)));
     h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));

@@ -83,14 +83,14 @@ struct Adam8bitScalars {
 };
 static_assert(sizeof(Adam8bitScalars) == 48, "must match lowbit.ADAM8BIT_STRUCT");
 
-// One 8-bit map as the CPU quantizer reads it: the 256 code values, the 255 midpoints padded with
-// +inf, and per 2^16 fp32 bit patterns (in value order) the number of midpoints below them. No
-// such bucket holds two midpoints of either map (checked when the table is built), so one
-// comparison finds the nearest code.
+// One 8-bit map as the CPU quantizer reads it: the 256 code values, and per 2^16 fp32 bit
+// patterns (a bucket of order keys: value order) the count of midpoints below the bucket in the
+// high half and the low 16 key bits of the one midpoint inside it (0xFFFF if none) in the low
+// half. No bucket of either map holds two midpoints (checked when the table is built), so one
+// load and one integer comparison find the nearest code.
 struct Q8Map {
   const float* values;
-  const float* mid;      // 256 entries: mid[255] = +inf
-  const uint8_t* start;  // 65536 entries, then 3 readable pad bytes (32-bit gathers)
+  const uint32_t* bucket;  // 65536 entries
 };
 
 struct Q8Job {
@@ -114,6 +114,7 @@ struct IsaTable {
   const char* name;
   SpanFn fn[static_cast<int>(RuleId::Count)][static_cast<int>(Combo::Count)];
   Q8Fn adam8bit[static_cast<int>(Q8Param::Count)];
+  Q8Fn adam8bit_floor[static_cast<int>(Q8Param::Count)];  // the benchmark's memory floor
 };
 
 }  // namespace mfa
