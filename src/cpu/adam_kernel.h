@@ -44,10 +44,17 @@ template <> struct ParamStorage<bf16sr> {
     h = _mm512_mullo_epi32(h, _mm512_set1_epi32(int(0x85EBCA6Bu)));
     h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
     h = _mm512_mullo_epi32(h, _mm512_set1_epi32(int(0xC2B2AE35u)));
-    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), _mm512_srli_epi32(h, 16)), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
+    // fmix32's last step, h ^= h >> 16, leaves the top 16 bits (the random bits) unchanged.
+    __m512i r = _mm512_add_epi32(_mm512_castps_si512(x), _mm512_srli_epi32(h, 16));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+#if defined(__AVX512BW__)
+    // The high halves of the 16 words in one permute (vpermw) instead of a shift and a narrowing.
+    const __m512i odd = _mm512_setr_epi32(0x00030001, 0x00070005, 0x000B0009, 0x000F000D, 0x00130011, 0x00170015,
+                                          0x001B0019, 0x001F001D, 0, 0, 0, 0, 0, 0, 0, 0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_castsi512_si256(_mm512_permutexvar_epi16(odd, r)));
+#else
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+#endif
   }
 #else
   static inline void store(T* dst, typename Vec::F x, uint32_t key, int64_t index) {
