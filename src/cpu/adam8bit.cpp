@@ -17,46 +17,13 @@
 
 #include "adam_types.h"
 #include "dispatch.h"
+#include "q8_tables.h"
 #include "thread_pool.h"
 
 namespace mfa {
 namespace {
 
 namespace nb = nanobind;
-
-constexpr int kCodes = 256;
-
-// The quantizer's tables of one map (Q8Map), built from its 256 values and 255 midpoints.
-struct Q8Tables {
-  std::vector<float> values, mid;
-  std::vector<uint32_t> bucket;
-  Q8Map view() const { return Q8Map{values.data(), bucket.data()}; }
-};
-
-uint32_t order_key(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-std::unique_ptr<Q8Tables> build_tables(const float* values, const float* mids) {
-  auto t = std::make_unique<Q8Tables>();
-  t->values.assign(values, values + kCodes);
-  t->mid.assign(mids, mids + kCodes - 1);
-  t->bucket.assign(size_t(1) << 16, 0);
-  uint32_t c = 0;
-  for (uint32_t bucket = 0; bucket < (1u << 16); ++bucket) {
-    while (c < kCodes - 1 && (order_key(mids[c]) >> 16) < bucket) ++c;
-    uint32_t low = 0xFFFF;  // no midpoint here: no x of the bucket lies above one
-    if (c < kCodes - 1 && (order_key(mids[c]) >> 16) == bucket) {
-      low = order_key(mids[c]) & 0xFFFF;
-      if (c + 1 < kCodes - 1 && (order_key(mids[c + 1]) >> 16) == bucket)
-        throw std::invalid_argument("8-bit map: two midpoints within 2^16 fp32 bit patterns; not supported");
-    }
-    t->bucket[bucket] = (c << 16) | low;
-  }
-  return t;
-}
 
 // The maps are lowbit's two fixed ones; their tables are built once per distinct content.
 const Q8Tables& tables_for(const float* values, const float* mids) {
@@ -66,7 +33,7 @@ const Q8Tables& tables_for(const float* values, const float* mids) {
   for (const auto& t : cache)
     if (!std::memcmp(t->values.data(), values, kCodes * 4) && !std::memcmp(t->mid.data(), mids, (kCodes - 1) * 4))
       return *t;
-  cache.push_back(build_tables(values, mids));
+  cache.push_back(build_q8_tables(values, mids));
   return *cache.back();
 }
 

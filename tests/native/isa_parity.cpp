@@ -1,6 +1,6 @@
 // Cross-build check: the native SIMD build (NEON on arm64) against the scalar build, bit for bit,
 // for every dtype pair, both modes and the memory-floor loop; then the one-state rules (Lion with
-// its sign at zero momentum, Adagrad with and without L2, both with maximize) and their floor. Built with the same flags as the
+// its sign at zero momentum, Adagrad with and without L2, both with maximize) and their floor; then 8-bit Adam. Built with the same flags as the
 // extension by tests/test_native_isa.py and run under qemu-aarch64 on x86-64 machines.
 #include <cstdint>
 #include <cstdio>
@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "adam_types.h"
+#include "q8_tables.h"
 
 namespace mfa {
 namespace isa_scalar { IsaTable table(); }
@@ -111,6 +112,72 @@ int main() {
         bool same = bufs[0] == bufs[1];
         same ? ++passed : ++failed;
         if (!same) std::printf("MISMATCH %s vs %s: one-state combo %d n %d mode %d\n", a.name, b.name, combo, n, mode);
+      }
+    }
+  }
+  // 8-bit Adam (adam8bit_kernel.h): every param storage, both modes, whole and partial blocks,
+  // on cubic maps (dense near +-1, sparse near 0, as the dynamic maps are).
+  float v1[256], v2[256], m1[255], m2[255];
+  for (int i = 0; i < 256; ++i) {
+    const float t = (i - 127.5f) / 127.5f, u = i / 255.0f;
+    v1[i] = t * t * t;
+    v2[i] = u * u * u;
+  }
+  for (int i = 0; i < 255; ++i) {
+    m1[i] = (v1[i] + v1[i + 1]) * 0.5f;
+    m2[i] = (v2[i] + v2[i + 1]) * 0.5f;
+  }
+  const auto t1 = build_q8_tables(v1, m1), t2 = build_q8_tables(v2, m2);
+  const int q8_sizes[] = {1, 5, 256, 300, 1000};
+  for (int kind = 0; kind < int(Q8Param::Count); ++kind) {
+    const int pe = kind == int(Q8Param::F32) ? 4 : 2;
+    for (int n : q8_sizes) {
+      for (int mode = 0; mode < 2; ++mode) {
+        const int64_t nb = (n + kQ8Block - 1) / kQ8Block;
+        std::vector<uint8_t> bufs[2][4];  // param, grad, codes1, codes2
+        std::vector<float> scales[2][2];
+        bufs[0][0].resize(size_t(n) * pe);
+        bufs[0][1].resize(size_t(n) * pe);
+        for (int t = 0; t < 2; ++t)
+          for (int i = 0; i < n; ++i) {
+            const float x = dist(rng) / 256.0f;
+            if (pe == 4) std::memcpy(&bufs[0][t][i * 4], &x, 4);
+            else {
+              const uint16_t h = to_half_bits(x, kind >= int(Q8Param::BF16));
+              std::memcpy(&bufs[0][t][i * 2], &h, 2);
+            }
+          }
+        for (int t = 2; t < 4; ++t) {
+          bufs[0][t].resize(size_t(n));
+          for (auto& c : bufs[0][t]) c = uint8_t(rng());
+        }
+        scales[0][0].assign(size_t(nb), 0.5f);
+        scales[0][1].assign(size_t(nb), 0.25f);
+        for (int t = 0; t < 4; ++t) bufs[1][t] = bufs[0][t];
+        scales[1][0] = scales[0][0];
+        scales[1][1] = scales[0][1];
+        for (int k = 0; k < 2; ++k) {
+          Q8Job job{};
+          job.param = bufs[k][0].data();
+          job.grad = bufs[k][1].data();
+          job.codes1 = bufs[k][2].data();
+          job.codes2 = bufs[k][3].data();
+          job.absmax1 = scales[k][0].data();
+          job.absmax2 = scales[k][1].data();
+          job.n = n;
+          job.map1 = t1->view();
+          job.map2 = t2->view();
+          job.s = Adam8bitScalars{0.9f, 0.999f, 0.1f, 0.001f, 1e-8f, 0.05f, 1e-2f, 31.622776f, mode ? 1.0f : 0.9995f,
+                                  0.5f, mode ? 0u : 1u, mode ? 1u : 0u};
+          job.sr_key = 0x85EBCA6Bu ^ uint32_t(n);
+          Q8Fn fn = (k == 0 ? a : b).adam8bit[kind];
+          fn(job, 0, nb);
+          fn(job, 0, nb);
+        }
+        bool same = scales[0][0] == scales[1][0] && scales[0][1] == scales[1][1];
+        for (int t = 0; t < 4; ++t) same = same && bufs[0][t] == bufs[1][t];
+        same ? ++passed : ++failed;
+        if (!same) std::printf("MISMATCH %s vs %s: 8-bit kind %d n %d mode %d\n", a.name, b.name, kind, n, mode);
       }
     }
   }
