@@ -103,9 +103,18 @@ def test_benchmark_section_runs_through_emulated_tiers(tmp_path):
     impls = {r["implementation"] for r in rows}
     assert {"ours (_metal extension)", "ours (torch.mps.load_metallib)", "ours (torch.mps.compile_shader)",
             "torch AdamW(fused=True)", "torch AdamW(foreach=True)"} <= impls
+    adam = [r for r in rows if "rule" not in r]
     # 5 cases x 3 tiers, and torch (fused, foreach) in the 4 cases whose states are in the param dtype
-    assert len(rows) == 5 * 3 + 4 * 2
+    assert len(adam) == 5 * 3 + 4 * 2
     assert all(r["ns_per_elem"] > 0 and r["gb_per_s"] > 0 for r in rows)
+    # The other rules: each case through all three tiers, with torch's optimizer beside where it has one.
+    for rule, pdtype, _ in bench_mps.RULE_CASES:
+        case = [r for r in rows if r.get("rule") == rule and r["param_dtype"] == str(pdtype)]
+        assert sum(r["implementation"].startswith(f"ours {rule} (") for r in case) == 3, (rule, pdtype)
+        if rule != "lion":
+            assert any(r["implementation"].startswith("torch ") for r in case), (rule, pdtype)
+    assert bench_mps.bytes_moved("adam8bit", torch.float32, torch.uint8) == 12 + 4 + 4 * 4 / 256
+    assert bench_mps.bytes_moved("lion", torch.float32, torch.float32) == 20
     assert bench_mps.bytes_per_elem(torch.float32, torch.float32) == 28
     assert bench_mps.bytes_per_elem(torch.bfloat16, torch.float32) == 22
 

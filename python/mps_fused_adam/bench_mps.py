@@ -1,5 +1,7 @@
-"""The benchmark's MPS section: each of our Metal tiers against torch's own Adam on MPS, with the
-chip's copy bandwidth measured in the same run as the yardstick.
+"""The benchmark's MPS section: each of our Metal tiers against torch's own optimizers on MPS,
+with the chip's copy bandwidth measured in the same run as the yardstick. Adam in every dtype
+pair and tensor count, then the other rules on one flat tensor: Lion and Adagrad (fp32), Adam
+with bf16 stochastic rounding, and 8-bit Adam (fp32 and bf16 params).
 
 Called by ``bench.py``; prints "no MPS device" where there is none (every Linux machine).
 Contenders run interleaved (one repetition of each in turn), so drifts of clock and temperature
@@ -11,8 +13,75 @@ from typing import Callable
 
 import torch
 
-from .contract import AdamHyper
+from . import lowbit
+from .contract import AdagradHyper, AdamHyper, LionHyper
 from .timing import bytes_per_elem, interleaved
+
+# Rules after Adam: (rule, param dtype, state dtype). Bytes per element: bytes_moved().
+RULE_CASES = [("lion", torch.float32, torch.float32), ("adagrad", torch.float32, torch.float32),
+              ("adam_sr", torch.bfloat16, torch.float32), ("adam8bit", torch.float32, torch.uint8),
+              ("adam8bit", torch.bfloat16, torch.uint8)]
+
+def bytes_moved(rule: str, pdtype: torch.dtype, sdtype: torch.dtype) -> float:
+    """Bytes one step of ``rule`` moves per element (reads and writes; 8-bit: codes and scales)."""
+    if rule == "adam8bit":
+        return 3 * pdtype.itemsize + 2 * 2 * (1 + 4 / lowbit.BLOCK)
+    return bytes_per_elem(pdtype, sdtype, 1 if rule in ("lion", "adagrad") else 2)
+
+
+def _rule_contenders(rule: str, tensors: list[torch.Tensor], pdtype, sdtype,
+                     tiers) -> tuple[dict[str, Callable[[], None]], list[str]]:
+    """Ours per tier for one rule after Adam, and torch's (or lion_pytorch's) where it has one."""
+    params = [torch.nn.Parameter(t) for t in tensors]
+    grads = [torch.randn_like(t) * 1e-2 for t in tensors]
+    for p, g in zip(params, grads):
+        p.grad = g
+    raw = [p.detach() for p in params]
+    step = [0]
+    if rule == "adam8bit":
+        n = tensors[0].numel()
+        states = [[torch.full((n,), lowbit.SIGNED_ZERO_CODE, dtype=torch.uint8, device=tensors[0].device)],
+                  [torch.zeros(n, dtype=torch.uint8, device=tensors[0].device)],
+                  [torch.zeros(lowbit.num_blocks(n), device=tensors[0].device)],
+                  [torch.zeros(lowbit.num_blocks(n), device=tensors[0].device)],
+                  [lowbit.kernel_table(True, tensors[0].device)], [lowbit.kernel_table(False, tensors[0].device)]]
+    else:
+        count = 1 if rule in ("lion", "adagrad") else 2
+        states = [[torch.zeros_like(t, dtype=sdtype) for t in tensors] for _ in range(count)]
+
+    def hyper():
+        step[0] += 1
+        adam = AdamHyper(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=step[0])
+        if rule == "lion":
+            return LionHyper(lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.01)
+        if rule == "adagrad":
+            return AdagradHyper(lr=1e-2, eps=1e-10, weight_decay=0.0, step=step[0])
+        if rule == "adam_sr":
+            return lowbit.AdamSRHyper(adam, lowbit.sr_key(1234, step[0]))
+        sr = lowbit.sr_key(1234, step[0]) if pdtype is torch.bfloat16 else None
+        return lowbit.Adam8bitTensorHyper(adam, sr)
+
+    out: dict[str, Callable[[], None]] = {}
+    notes: list[str] = []
+    for label, factory in tiers:
+        try:
+            backend = factory()
+            out[f"ours {rule} ({label})"] = (lambda b: lambda: b.update(lowbit.ADAM8BIT.name if rule == "adam8bit"
+                                                                         else rule, raw, grads, states, hyper()))(backend)
+        except Exception as exc:
+            notes.append(f"{label}: unavailable ({exc})")
+    if rule == "adagrad":
+        out["torch Adagrad(foreach=True)"] = torch.optim.Adagrad(params, lr=1e-2, foreach=True).step
+    elif rule == "lion":
+        try:
+            import lion_pytorch
+            out["lion_pytorch Lion"] = lion_pytorch.Lion(params, lr=1e-4, weight_decay=0.01).step
+        except ImportError:
+            notes.append("lion_pytorch: not installed")
+    else:  # Adam with bf16 params, or 8-bit: torch's fused AdamW in the param dtype is the yardstick
+        out["torch AdamW(fused=True)"] = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True).step
+    return out, notes
+
 
 def _mps_available() -> bool:
     mps = getattr(torch.backends, "mps", None)
@@ -100,6 +169,25 @@ def _run_section(numel, many, tiny, repeats, out, *, device: str, sync: Callable
             row = dict(case=case, param_dtype=str(pdtype), state_dtype=str(sdtype), implementation=name,
                        ns_per_elem=t / elems * 1e9, gb_per_s=gbs, frac_copy_bw=gbs * 1e9 / bandwidth,
                        us_per_tensor=t / len(sizes) * 1e6)
+            rows.append(row)
+            dt = f"{str(pdtype)[6:]}/{str(sdtype)[6:]}"
+            out(f"{case:<22} {dt:<16} {name:<38} {row['ns_per_elem']:>8.3f} {gbs:>7.1f} "
+                f"{100 * row['frac_copy_bw']:>8.0f}% {row['us_per_tensor']:>9.2f}")
+        del tensors, contenders
+        if device == "mps":
+            torch.mps.empty_cache()
+    for rule, pdtype, sdtype in RULE_CASES:
+        tensors = [torch.randn(numel, device=device).to(pdtype)]
+        contenders, notes = _rule_contenders(rule, tensors, pdtype, sdtype, tiers)
+        for note in notes:
+            out(f"  {note}")
+        nbytes = bytes_moved(rule, pdtype, sdtype)
+        case = f"flat {numel}"
+        for name, t in interleaved(contenders, repeats, sync).items():
+            gbs = numel * nbytes / t / 1e9
+            row = dict(case=case, param_dtype=str(pdtype), state_dtype=str(sdtype), implementation=name,
+                       ns_per_elem=t / numel * 1e9, gb_per_s=gbs, frac_copy_bw=gbs * 1e9 / bandwidth,
+                       us_per_tensor=t * 1e6, rule=rule)
             rows.append(row)
             dt = f"{str(pdtype)[6:]}/{str(sdtype)[6:]}"
             out(f"{case:<22} {dt:<16} {name:<38} {row['ns_per_elem']:>8.3f} {gbs:>7.1f} "
