@@ -53,6 +53,48 @@ def uses(plan):
     return plan.uses if isinstance(plan, step_plan.Plan) else None
 
 
+@pytest.fixture(autouse=True, params=["shim", "attributes"])
+def check_path(request):
+    """Every test twice: plans reading tensors through torch's C shim (tensor_handles.h), and
+    through their Python attributes (the path where this torch lacks the shim)."""
+    cpu = step_plan.native()
+    cpu.set_tensor_handles_active(request.param == "shim")
+    yield request.param
+    cpu.set_tensor_handles_active(True)
+
+
+def test_plans_use_the_shim_where_enabled(check_path):
+    m = Mirror([(5,), (3, 4)])
+    m.step()
+    m.step()
+    assert uses(m.plan()) == 1
+    assert m.plan().native.uses_handles == (check_path == "shim")
+
+
+def test_handles_hold_no_tensor_past_their_use(check_path):
+    """A grad's handle lives for one check, a plan's handles as long as the plan: afterwards each
+    tensor's C++ use count is what it was (a leaked handle would keep the tensor alive)."""
+    import gc
+    m = Mirror([(5,), (3, 4)])
+    m.step()
+    m.step()
+    grads = [torch.randn(p.shape) for p in m.params]
+    counts = [g._use_count() for g in grads]
+    for p, g in zip(m.params, grads):
+        p.grad = g
+    m.opt.step()
+    assert uses(m.plan()) == 2
+    for p in m.params:
+        p.grad = None
+    assert [g._use_count() for g in grads] == counts
+    p0, state0 = m.params[0], m.opt.state[m.params[0]]["exp_avg"]
+    held, held_state = p0._use_count(), state0._use_count()
+    m.opt._plans.clear()  # as a loaded state dict or a changed param list does
+    gc.collect()
+    released = 1 if check_path == "shim" else 0
+    assert (p0._use_count(), state0._use_count()) == (held - released, held_state - released)
+
+
 def test_steady_steps_use_the_plan_and_match_reference():
     m = Mirror([(5,), (3, 4), (7,)])
     m.step()  # full path; plans for the next step
@@ -371,3 +413,18 @@ def test_grad_of_another_shape_through_its_data_rejected():
                                          r"expected \(8,\)"):
         m.opt.step()
     assert all(torch.equal(p.detach(), b) for p, b in zip(m.params, before))
+
+
+def test_environment_variable_turns_the_shim_off():
+    import subprocess
+    import sys
+    code = ("import torch, mps_fused_adam as mfa\n"
+            "p = torch.nn.Parameter(torch.randn(4)); o = mfa.AdamW([p])\n"
+            "for _ in range(2):\n    p.grad = torch.randn(4); o.step()\n"
+            "print(o._plans[0].native.uses_handles)")
+    out = {}
+    for value in ("0", "1"):
+        env = dict(__import__("os").environ, MPS_FUSED_ADAM_TENSOR_HANDLES=value)
+        out[value] = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                    check=True).stdout.strip()
+    assert out == {"0": "False", "1": "True"}

@@ -6,7 +6,7 @@ of that changes: the same params, with the same dtype, shape, device and address
 dicts holding the same moment tensors at the same addresses. Only the grads are new tensors
 (``zero_grad(set_to_none=True)`` drops them every step). So after a step that passed the full
 validation, :func:`build` records what it saw in a ``_cpu.GroupPlan``, and the next step only
-proves, in one C++ loop over the tensors' ordinary Python attributes, that
+proves, in one C++ loop, that
 
 - the group's param list holds the same param objects, and the params that were skipped (no grad)
   still have none;
@@ -19,13 +19,19 @@ proves, in one C++ loop over the tensors' ordinary Python attributes, that
 
 and, once per step, that the optimizer's ``state`` dict is the same object with the same keys and
 per-param dicts (``_cpu.DictSnapshot``: this notices ``load_state_dict`` and a replaced or removed
-per-param state). Any difference, or anything the check cannot read, sends the group through the
+per-param state). The loop reads the tensors through torch's AOTInductor C shim where this torch
+has it (``src/cpu/tensor_handles.h``: a plan holds a handle per param and state tensor, which
+sees any later change of its metadata, and each check makes one per grad), otherwise through
+their ordinary Python attributes; ``MPS_FUSED_ADAM_TENSOR_HANDLES=0`` chooses the latter.
+Any difference, or anything the check cannot read, sends the group through the
 full validation again, which raises the same errors as before (naming the parameter, what was
 expected and what was found) or runs the step and plans anew. The check writes nothing, so a
 rejected step still changes nothing.
 """
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -75,7 +81,26 @@ def native() -> Any:
         from . import _cpu
     except ImportError:
         return None
+    if not _HANDLES_TRIED:
+        _enable_tensor_handles(_cpu)
     return _cpu
+
+
+_HANDLES_TRIED: list = []
+
+
+def _enable_tensor_handles(cpu: Any) -> bool:
+    """Let the checks read tensors through torch's AOTInductor C shim (``src/cpu/tensor_handles.h``:
+    a stable C ABI in libtorch_cpu, found at run time): about a third of the per-tensor cost of
+    reading their Python attributes. Where this torch or platform lacks it, the checks read the
+    attributes as before."""
+    _HANDLES_TRIED.append(True)
+    if os.environ.get("MPS_FUSED_ADAM_TENSOR_HANDLES", "1") == "0":
+        return False
+    alloc = getattr(getattr(torch._C, "_aoti", None), "unsafe_alloc_void_ptrs_from_tensors", None)
+    name = {"darwin": "libtorch_cpu.dylib", "win32": "torch_cpu.dll"}.get(sys.platform, "libtorch_cpu.so")
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib", name)
+    return alloc is not None and os.path.exists(lib) and bool(cpu.enable_tensor_handles(lib, alloc))
 
 
 def replan(native_module: Any, previous: Any, params: list, state: Any, state_names: tuple[str, ...]) -> Any:

@@ -17,7 +17,12 @@
 #include <utility>
 #include <vector>
 
+#include "tensor_handles.h"
+
 namespace nb = nanobind;
+using mfa::HandleBatch;
+using mfa::TensorHandles;
+using mfa::TensorMeta;
 
 namespace {
 
@@ -180,12 +185,20 @@ class GroupPlan {
       if (i < 0 || i >= size_) throw std::invalid_argument("GroupPlan: idle index out of range");
       idle_.push_back(Idle{i, Ref(PyList_GET_ITEM(params.ptr(), i)), empty});
     }
+    make_handles();
   }
+
+  ~GroupPlan() {
+    for (void* h : handles_) TensorHandles::release(h);
+  }
+  GroupPlan(const GroupPlan&) = delete;
+  GroupPlan& operator=(const GroupPlan&) = delete;
 
   // True when the plan still describes `params` and every planned param has a grad that fits;
   // then `grads` and `grad_addresses` hold those grads and their addresses, in entry order.
   // Writes nothing else, so a false answer leaves everything as it was.
   bool check(nb::list params, nb::list grads, nb::list grad_addresses) const {
+    if (!handles_.empty() && TensorHandles::active()) return check_handles(params, grads, grad_addresses);
     Names& n = names();
     PyObject* plist = params.ptr();
     if (PyList_GET_SIZE(plist) != size_) return false;
@@ -257,8 +270,127 @@ class GroupPlan {
   }
 
   size_t size() const { return entries_.size(); }
+  bool uses_handles() const { return !handles_.empty(); }
 
  private:
+  struct Planned {  // a param's metadata when the plan was made
+    int32_t dtype, device_type, device_index;
+    std::vector<int64_t> sizes;
+  };
+
+  // Handles of every planned param and state tensor (param i at i * (k + 1), then its k states),
+  // and each param's metadata as planned. None where the shim is unavailable or anything fails:
+  // check() then reads the Python attributes.
+  void make_handles() {
+    if (!TensorHandles::active() || entries_.empty()) return;
+    const size_t k = keys_.size();
+    nb::list tensors;
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      tensors.append(nb::borrow(entries_[i].p.get()));
+      for (size_t j = 0; j < k; ++j) tensors.append(nb::borrow(states_[i * k + j].get()));
+    }
+    std::vector<void*> hs;
+    if (!TensorHandles::alloc(tensors.ptr(), hs)) return;
+    handles_ = std::move(hs);
+    planned_.resize(entries_.size());
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      TensorMeta m;
+      if (!TensorHandles::meta(handles_[i * (k + 1)], &m) || m.data != reinterpret_cast<void*>(entries_[i].pptr) ||
+          !m.contiguous) {
+        drop_handles();
+        return;
+      }
+      planned_[i] = Planned{m.dtype, m.device_type, m.device_index, std::vector<int64_t>(m.sizes, m.sizes + m.dim)};
+    }
+  }
+
+  void drop_handles() {
+    for (void* h : handles_) TensorHandles::release(h);
+    handles_.clear();
+    planned_.clear();
+  }
+
+  static bool same_as_planned(const TensorMeta& m, const Planned& p) {
+    if (m.dtype != p.dtype || m.device_type != p.device_type || m.device_index != p.device_index ||
+        m.dim != int64_t(p.sizes.size()))
+      return false;
+    for (int64_t d = 0; d < m.dim; ++d)
+      if (m.sizes[d] != p.sizes[size_t(d)]) return false;
+    return true;
+  }
+
+  // check() with the planned tensors' metadata read through their handles, and the new grads'
+  // through handles made for this call: the same conditions, a few Python calls per tensor
+  // instead of about a dozen.
+  bool check_handles(nb::list params, nb::list grads, nb::list grad_addresses) const {
+    Names& n = names();
+    PyObject* plist = params.ptr();
+    if (PyList_GET_SIZE(plist) != size_) return false;
+    for (const Idle& x : idle_) {
+      PyObject* p = x.p.get();
+      if (PyList_GET_ITEM(plist, x.index) != p) return false;
+      if (x.empty) {
+        uint64_t numel;
+        if (!attr_u64(p, n.numel, &numel) || numel != 0) return false;
+        continue;
+      }
+      PyObject* g = n.grad(p);
+      if (g == nullptr) { PyErr_Clear(); return false; }
+      bool none = g == Py_None;
+      Py_DECREF(g);
+      if (!none) return false;
+    }
+    const size_t k = keys_.size(), count = entries_.size();
+    nb::list gs;  // this step's grads, in entry order
+    for (size_t i = 0; i < count; ++i) {
+      const Entry& e = entries_[i];
+      PyObject* p = e.p.get();
+      if (PyList_GET_ITEM(plist, e.index) != p) return false;
+      TensorMeta m;
+      // The param: nothing that validation looked at may have moved (.data assignment, resize).
+      if (!TensorHandles::meta(handles_[i * (k + 1)], &m) || m.data != reinterpret_cast<void*>(e.pptr) ||
+          !m.contiguous || !same_as_planned(m, planned_[i]))
+        return false;
+      // The state: the same dict entries, the same tensors at the same addresses, the planned step.
+      PyObject* st = e.st.get();
+      for (size_t j = 0; j < k; ++j) {
+        PyObject* t = PyDict_GetItemWithError(st, keys_[j].get());  // borrowed
+        if (t != states_[i * k + j].get()) { PyErr_Clear(); return false; }
+        TensorMeta sm;
+        if (!TensorHandles::meta(handles_[i * (k + 1) + 1 + j], &sm) ||
+            sm.data != reinterpret_cast<void*>(state_addrs_[i * k + j]))
+          return false;
+      }
+      PyObject* s = PyDict_GetItemWithError(st, n.step);
+      if (s == nullptr) { PyErr_Clear(); return false; }
+      int same_step = s == e.step.get() ? 1 : PyObject_RichCompareBool(s, e.step.get(), Py_EQ);
+      if (same_step != 1) { PyErr_Clear(); return false; }
+      PyObject* g = n.grad(p);
+      if (g == nullptr) { PyErr_Clear(); return false; }
+      const bool none = g == Py_None;
+      if (!none && PyList_Append(gs.ptr(), g) != 0) { Py_DECREF(g); PyErr_Clear(); return false; }
+      Py_DECREF(g);
+      if (none) return false;
+    }
+    // The grads: new tensors every step, so every property the kernel relies on is read anew.
+    HandleBatch batch;
+    if (!TensorHandles::alloc(gs.ptr(), batch.handles) || batch.handles.size() != count) return false;
+    for (size_t i = 0; i < count; ++i) {
+      TensorMeta m;
+      if (!TensorHandles::meta(batch.handles[i], &m) || !m.contiguous || !same_as_planned(m, planned_[i]))
+        return false;
+      PyObject* a = PyLong_FromUnsignedLongLong(reinterpret_cast<uintptr_t>(m.data));
+      bool ok = a != nullptr && PyList_Append(grads.ptr(), PyList_GET_ITEM(gs.ptr(), i)) == 0 &&
+                PyList_Append(grad_addresses.ptr(), a) == 0;
+      Py_XDECREF(a);
+      if (!ok) { PyErr_Clear(); return false; }
+    }
+    return true;
+  }
+
+  std::vector<void*> handles_;
+  std::vector<Planned> planned_;
+
   struct Entry {
     Py_ssize_t index = 0;
     Ref p, dtype, shape, device, st, step;
@@ -317,7 +449,16 @@ void register_step_plan(nb::module_& m) {
            "True when nothing planned changed; fills grads and grad_addresses in entry order.")
       .def("set_steps", &GroupPlan::set_steps, nb::arg("begin"), nb::arg("end"), nb::arg("step"),
            "Write `step` into the state dicts of entries [begin, end).")
-      .def("__len__", &GroupPlan::size);
+      .def("__len__", &GroupPlan::size)
+      .def_prop_ro("uses_handles", &GroupPlan::uses_handles,
+                   "Whether check() reads tensors through torch's C shim (tensor_handles.h).");
+  m.def("enable_tensor_handles", [](const std::string& libtorch, nb::handle alloc) {
+          return TensorHandles::enable(libtorch, alloc.ptr());
+        }, nb::arg("libtorch"), nb::arg("alloc"),
+        "Find torch's C shim in the loaded libtorch_cpu at `libtorch`; `alloc` is\n"
+        "torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors. True when the step plans can use it.");
+  m.def("set_tensor_handles_active", &TensorHandles::set_active, nb::arg("on"),
+        "Let plans made from now on read tensors through the shim (the default where enabled) or not.");
   nb::class_<DictSnapshot>(m, "DictSnapshot", "A dict's keys and values by identity, in order.")
       .def(nb::init<nb::dict>(), nb::arg("d"))
       .def("unchanged", &DictSnapshot::unchanged, nb::arg("d"),
