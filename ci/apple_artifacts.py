@@ -50,6 +50,8 @@ REPO = Path(__file__).resolve().parent.parent
 MM = REPO / "src" / "metal" / "metal_adam.mm"
 STUBS = REPO / "tests" / "objc_stubs"
 BACKENDS = REPO / "python" / "mps_fused_adam" / "mps_backends.py"
+TENSOR_HANDLES = REPO / "src" / "cpu" / "tensor_handles.cpp"
+LIBTORCH_PYTHON = "torch/lib/libtorch_python.dylib"
 
 PLATFORM = "macosx_14_0_arm64"
 PYTHON_VERSION = "3.11"
@@ -136,6 +138,11 @@ def torch_releases_since(minimum: tuple[int, int]) -> list[str]:
 def mm_torch_symbols(mm_text: str) -> list[str]:
     """The C++ names the .mm passes to dlsym."""
     return sorted(re.findall(r'"(_ZN5torch3mps\w+)"', mm_text))
+
+
+def shim_symbols(handles_text: str) -> list[str]:
+    """The functions of torch's C shim that src/cpu/tensor_handles.cpp passes to dlsym."""
+    return sorted(re.findall(r'lookup\(lib, "(aoti_torch_\w+)"', handles_text))
 
 
 def mm_image_suffix(mm_text: str) -> str:

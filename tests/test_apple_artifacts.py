@@ -95,6 +95,27 @@ def test_libtorch_exports_the_names_metal_looks_up(torch_wheel):
     assert len(aa.check_exports(undefined, names)) == 1
 
 
+def test_libtorch_exports_the_c_shim_the_step_plans_use(torch_wheel):
+    """On macOS the step plans look torch's AOTInductor C shim up in the loaded libtorch_cpu.dylib
+    (src/cpu/tensor_handles.cpp) and make handles with torch._C._aoti's binding: both must be in
+    the macOS wheel, or the plans fall back to reading Python attributes there."""
+    names = aa.shim_symbols(aa.TENSOR_HANDLES.read_text())
+    assert names == sorted(["aoti_torch_get_data_ptr", "aoti_torch_get_dtype", "aoti_torch_get_device_type",
+                            "aoti_torch_get_device_index", "aoti_torch_get_dim", "aoti_torch_get_sizes",
+                            "aoti_torch_is_contiguous", "aoti_torch_delete_tensor_object", "aoti_torch_get_layout",
+                            "aoti_torch_layout_strided"])
+    assert aa.check_exports(torch_wheel.nm, names) == []
+    doctored = "\n".join(l for l in torch_wheel.nm.splitlines() if not l.endswith(" _aoti_torch_is_contiguous"))
+    assert aa.check_exports(doctored, names) == [
+        "libtorch_cpu.dylib does not export aoti_torch_is_contiguous (dlsym name aoti_torch_is_contiguous; "
+        "Mach-O symbol _aoti_torch_is_contiguous)"]
+    # The path step_plan.py builds: torch/lib/libtorch_cpu.dylib (extracted above); the binding's name
+    # is a string in libtorch_python.dylib.
+    assert torch_wheel.dylib.endswith(aa.LIBTORCH)
+    python_lib = aa.extract(torch_wheel.wheel, aa.LIBTORCH_PYTHON).read_bytes()
+    assert b"unsafe_alloc_void_ptrs_from_tensors" in python_lib
+
+
 def test_libtorch_image_name_is_what_metal_searches_for(torch_wheel):
     suffix = aa.mm_image_suffix(MM_TEXT)
     assert suffix == "/libtorch_cpu.dylib"
