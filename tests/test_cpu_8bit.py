@@ -122,3 +122,107 @@ def test_adam_stochastic_rounding_kernel_matches_reference(simd, sdtype, n):
 def test_stochastic_rounding_needs_bf16_params():
     with pytest.raises(ValueError, match="needs bfloat16 params"):
         _cpu.step("adam", [0], [0], [[0], [0]], [0], 0, 0, b"\0" * 44, 1, [1])
+
+
+# ---- many tensors in one call ------------------------------------------------------------------
+
+def _batch_args(tensors):
+    """adam8bit_step_many's columns for [(param, grad, state, hyper, key)]."""
+    cols = [[] for _ in range(11)]
+    for p, g, st, hp, key in tensors:
+        for col, v in zip(cols, (p.data_ptr(), g.data_ptr(), st["exp_avg_codes"].data_ptr(),
+                                 st["exp_avg_absmax"].data_ptr(), st["exp_avg_sq_codes"].data_ptr(),
+                                 st["exp_avg_sq_absmax"].data_ptr(), p.numel(), {torch.float32: 0, torch.float16: 1,
+                                                                                  torch.bfloat16: 2}[p.dtype],
+                                 lowbit.pack_adam8bit(hp), 0 if key is None else key, int(key is not None))):
+            col.append(v)
+    return cols
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_many_tensors_in_one_call_match_the_reference(threads):
+    """Blocks of several tensors shared among threads as one range: every tensor bit for bit as
+    the reference, whatever the split (sizes under, at and across block and thread boundaries)."""
+    gen = torch.Generator().manual_seed(3)
+    specs = [(0, torch.float32), (1, torch.bfloat16), (255, torch.float16), (257, torch.float32),
+             (256 * 130 + 3, torch.bfloat16), (256 * 140, torch.float32), (4097, torch.bfloat16)]
+    ours, refs = [], []
+    for i, (n, dtype) in enumerate(specs):
+        p = torch.randn(n, generator=gen).to(dtype)
+        ours.append([p.clone(), fresh_state(n)])
+        refs.append([p.clone(), fresh_state(n)])
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for step in (1, 2, 3):
+            grads = [(torch.randn(n, generator=gen) * 1e-2).to(d) for n, d in specs]
+            hp = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=step)
+            keys = [lowbit.sr_key(7 + i, step) if d is torch.bfloat16 and i % 2 else None
+                    for i, (_, d) in enumerate(specs)]
+            cols = _batch_args([(o[0], g, o[1], hp, k) for o, g, k in zip(ours, grads, keys)])
+            _cpu.adam8bit_step_many(*cols[:8], lowbit.kernel_table(True).data_ptr(),
+                                    lowbit.kernel_table(False).data_ptr(), *cols[8:], threads)
+            for r, g, k in zip(refs, grads, keys):
+                st = r[1]
+                reference_adam8bit_(r[0], g, st["exp_avg_codes"], st["exp_avg_absmax"], st["exp_avg_sq_codes"],
+                                    st["exp_avg_sq_absmax"], hp, k)
+    finally:
+        torch.set_num_threads(old)
+    for (p, so), (pr, sr) in zip(ours, refs):
+        assert_same((p, so), (pr, sr))
+    assert (ours[-2][1]["exp_avg_sq_absmax"] > 0).all()
+
+
+def test_many_rejects_bad_entries_before_writing_anything():
+    n = 600
+    tensors = [(torch.randn(n), torch.randn(n), fresh_state(n), AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.0, 1), None)
+               for _ in range(3)]
+    before = [(t[0].clone(), {k: v.clone() for k, v in t[2].items()}) for t in tensors]
+    cols = _batch_args(tensors)
+    maps = (lowbit.kernel_table(True).data_ptr(), lowbit.kernel_table(False).data_ptr())
+    bad = [list(c) for c in cols]
+    bad[7][2] = 9  # tensor 2: no such param dtype
+    with pytest.raises(ValueError, match="tensor 2: param dtype code must be 0"):
+        _cpu.adam8bit_step_many(*bad[:8], *maps, *bad[8:], 2)
+    bad = [list(c) for c in cols]
+    bad[8][1] = b"short"
+    with pytest.raises(ValueError, match="tensor 1: adam8bit takes a 48-byte scalar struct; got 5"):
+        _cpu.adam8bit_step_many(*bad[:8], *maps, *bad[8:], 2)
+    with pytest.raises(ValueError, match="one entry per tensor \\(3\\); got one of 2"):
+        _cpu.adam8bit_step_many(*cols[:6], cols[6][:2], cols[7], *maps, *cols[8:], 2)
+    for (p, _, st, _, _), (p0, st0) in zip(tensors, before):
+        assert torch.equal(p, p0) and all(torch.equal(st[k], st0[k]) for k in st)
+
+
+def test_optimizer_steps_its_cpu_8bit_tensors_in_one_call(monkeypatch):
+    """AdamW8bit on CPU: one adam8bit_step_many call per step for all its contiguous 8-bit tensors,
+    one backend call for the fp32-moment ones of a group, and the reference's numbers."""
+    from mps_fused_adam import optim8bit
+    import mps_fused_adam as mfa
+    calls = []
+
+    class Counting:
+        def __getattr__(self, name):
+            fn = getattr(_cpu, name)
+            return lambda *a, **k: (calls.append((name, len(a[0]) if name.endswith("_many") else 1)), fn(*a, **k))[1]
+
+    monkeypatch.setattr(optim8bit, "_cpu_ext", lambda: Counting())
+    gen = torch.Generator().manual_seed(5)
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (300, 5000, 70000, 10, 20)]
+    opt = mfa.AdamW8bit(params, lr=1e-2, min_8bit_size=256)
+    refs = [[p.detach().clone(), fresh_state(p.numel())] for p in params[:3]]
+    for step in (1, 2):
+        grads = [torch.randn(p.shape, generator=gen) for p in params]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        calls.clear()
+        opt.step()
+        assert calls == [("adam8bit_step_many", 3)]
+        hp = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 1e-2, step)
+        for r, g in zip(refs, grads):
+            st = r[1]
+            reference_adam8bit_(r[0], g, st["exp_avg_codes"], st["exp_avg_absmax"], st["exp_avg_sq_codes"],
+                                st["exp_avg_sq_absmax"], hp, None)
+    for p, r in zip(params, refs):
+        assert torch.equal(p.detach(), r[0])
+        assert torch.equal(opt.state[p]["exp_avg_codes"], r[1]["exp_avg_codes"])

@@ -28,7 +28,6 @@ SEED_KEY = "sr_seed"
 def _check_state(p: torch.Tensor, st: dict, name: str) -> None:
     """Existing (perhaps loaded) state must fit its parameter: 8-bit codes and block scales, or
     fp32 moments; raise a ValueError naming the parameter and the entry otherwise."""
-    who = validate.describe(p, name)
     if "exp_avg_codes" in st:
         nb = num_blocks(p.numel())
         want = {"exp_avg_codes": (tuple(p.shape), torch.uint8), "exp_avg_sq_codes": (tuple(p.shape), torch.uint8),
@@ -38,10 +37,11 @@ def _check_state(p: torch.Tensor, st: dict, name: str) -> None:
     for key, (shape, dtype) in want.items():
         t = st.get(key)
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{who}: optimizer state '{key}' is missing or not a tensor (found {type(t).__name__})")
+            raise ValueError(f"{validate.describe(p, name)}: optimizer state '{key}' is missing or not a tensor "
+                             f"(found {type(t).__name__})")
         if tuple(t.shape) != shape or t.dtype != dtype or t.device != p.device:
-            raise ValueError(f"{who}: optimizer state '{key}' is {validate.describe(t, key)}; expected shape "
-                             f"{shape}, {str(dtype).replace('torch.', '')}, {p.device}")
+            raise ValueError(f"{validate.describe(p, name)}: optimizer state '{key}' is {validate.describe(t, key)}; "
+                             f"expected shape {shape}, {str(dtype).replace('torch.', '')}, {p.device}")
 
 
 class _Adam8bitBase(torch.optim.Optimizer):
@@ -130,19 +130,42 @@ class _Adam8bitBase(torch.optim.Optimizer):
                 if st:
                     _check_state(p, st, name)
                 work.append((group, p))
-        # Everything validated: create state, then update.
+        # Everything validated: create state, then update. Tensors that share a kernel call are
+        # collected first: CPU tensors with 8-bit moments all go to one call, and fp32-moment
+        # tensors of one group, step, device and dtype to one backend call.
+        hypers: dict[tuple[int, int], AdamHyper] = {}
+        q8: list = []
+        small: dict[tuple, list] = {}
+        backends: dict[torch.device, Any] = {}
+        metal, cpu_ext = _metal_backends(), _cpu_ext()
         for group, p in work:
             st = self.state[p]
             if not st:
                 st.update(self._init_state(p, group))
             st["step"] = step = int(st["step"]) + 1
-            beta1, beta2 = group["betas"]
-            hp = AdamHyper(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                           weight_decay=float(group["weight_decay"]), step=step,
-                           adam_w_mode=bool(group["adam_w_mode"]), bias_correction=bool(group["bias_correction"]),
-                           maximize=bool(group["maximize"]))
+            hp = hypers.get((id(group), step))
+            if hp is None:
+                beta1, beta2 = group["betas"]
+                hp = hypers[(id(group), step)] = AdamHyper(
+                    lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                    weight_decay=float(group["weight_decay"]), step=step, adam_w_mode=bool(group["adam_w_mode"]),
+                    bias_correction=bool(group["bias_correction"]), maximize=bool(group["maximize"]))
             key = lowbit.sr_key(st[SEED_KEY], step) if (SEED_KEY in st and group["bf16_stochastic_round"]) else None
-            _update(p, p.grad, st, hp, key)
+            backend = backends.get(p.device)
+            if backend is None:
+                backend = backends[p.device] = get_backend(p.device)
+            if "exp_avg_codes" in st and cpu_ext is not None and not isinstance(backend, metal) and _cpu_batchable(p, st):
+                q8.append((p, st, hp, key))
+            elif "exp_avg_codes" not in st and key is None:
+                small.setdefault((p.device, id(hp), p.dtype), []).append((p, st, hp))
+            else:
+                _update(p, p.grad, st, hp, key)
+        if q8:
+            _cpu_adam8bit_many(q8)
+        for members in small.values():
+            ps = [m[0] for m in members]
+            update_staged(backends[ps[0].device], "adam", ps, [p.grad for p in ps],
+                          [[m[1]["exp_avg"] for m in members], [m[1]["exp_avg_sq"] for m in members]], members[0][2])
         return loss
 
 
@@ -212,6 +235,32 @@ def _cpu_adam8bit(p: torch.Tensor, g: torch.Tensor, st: dict[str, Any], hp: Adam
         0 if sr_key is None else sr_key, sr_key is not None, torch.get_num_threads())
     if pc is not p:
         p.copy_(pc)
+
+
+def _cpu_batchable(p: torch.Tensor, st: dict[str, Any]) -> bool:
+    """Whether an 8-bit tensor (whose device's backend is not a Metal tier, with the ``_cpu``
+    extension built) can join the one-call CPU batch: a CPU tensor whose param, grad, codes and
+    scales are all contiguous (others take ``_update``'s contiguous copies)."""
+    return (p.is_cpu and p.is_contiguous() and p.grad.is_contiguous()
+            and all(st[k].is_contiguous() for k in CODE_KEYS))
+
+
+def _cpu_adam8bit_many(batch: list) -> None:
+    """One ``_cpu`` call for every (param, state, hyper, sr key) of ``batch``: their blocks are
+    shared among the threads as one range."""
+    packed: dict[int, bytes] = {}
+    cols: list[list] = [[] for _ in range(11)]
+    for p, st, hp, key in batch:
+        blob = packed.get(id(hp))
+        if blob is None:
+            blob = packed[id(hp)] = lowbit.pack_adam8bit(hp)
+        for col, value in zip(cols, (p.data_ptr(), p.grad.data_ptr(), st["exp_avg_codes"].data_ptr(),
+                                     st["exp_avg_absmax"].data_ptr(), st["exp_avg_sq_codes"].data_ptr(),
+                                     st["exp_avg_sq_absmax"].data_ptr(), p.numel(), _PARAM_CODES[p.dtype], blob,
+                                     0 if key is None else key, int(key is not None))):
+            col.append(value)
+    _cpu_ext().adam8bit_step_many(*cols[:8], lowbit.kernel_table(True).data_ptr(),
+                                  lowbit.kernel_table(False).data_ptr(), *cols[8:], torch.get_num_threads())
 
 
 def _check_bnb_options(cls: str, optim_bits: int, args: Any, is_paged: bool, percentile_clipping: int,

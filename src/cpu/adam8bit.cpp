@@ -5,6 +5,7 @@
 // The block (256 elements, one fp32 scale per moment) is the unit of work: a thread owns whole
 // blocks, so the new scale of a block is known before any of its codes is written.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -37,17 +38,25 @@ const Q8Tables& tables_for(const float* values, const float* mids) {
   return *cache.back();
 }
 
-struct Job {
-  Q8Job q;
-  Q8Fn fn;
-  int64_t blocks;
-  int threads;
+// A batch of tensors as one range of blocks: thread t takes blocks [total * t / T, total * (t + 1) / T)
+// of the concatenation, so small tensors share the threads instead of running one after another.
+struct Batch {
+  std::vector<Q8Job> jobs;
+  std::vector<Q8Fn> fns;
+  std::vector<int64_t> starts;  // starts[i]: index of job i's first block in the concatenation
+  int64_t total = 0;
+  int threads = 1;
 };
 
 void run_range(void* ctx, int t) {
-  const Job& job = *static_cast<const Job*>(ctx);
-  // Whole blocks per thread: [blocks * t / T, blocks * (t + 1) / T).
-  job.fn(job.q, job.blocks * t / job.threads, job.blocks * (t + 1) / job.threads);
+  const Batch& b = *static_cast<const Batch*>(ctx);
+  const int64_t lo = b.total * t / b.threads, hi = b.total * (t + 1) / b.threads;
+  size_t i = std::upper_bound(b.starts.begin(), b.starts.end(), lo) - b.starts.begin() - 1;
+  for (; i < b.jobs.size() && b.starts[i] < hi; ++i) {
+    const int64_t blocks = (b.jobs[i].n + kQ8Block - 1) / kQ8Block;
+    const int64_t b0 = std::max<int64_t>(lo - b.starts[i], 0), b1 = std::min<int64_t>(hi - b.starts[i], blocks);
+    if (b0 < b1) b.fns[i](b.jobs[i], b0, b1);
+  }
 }
 
 template <class T>
@@ -55,44 +64,106 @@ T* ptr(uintptr_t a) {
   return reinterpret_cast<T*>(a);
 }
 
-void adam8bit_step(uintptr_t param, uintptr_t grad, uintptr_t codes1, uintptr_t absmax1, uintptr_t codes2,
-                   uintptr_t absmax2, int64_t n, int param_dtype, uintptr_t map1, uintptr_t map2,
-                   nb::bytes scalars, uint32_t sr_key, bool sr, int num_threads, bool floor) {
-  if (n < 0) throw std::invalid_argument("negative element count");
+// Throws std::invalid_argument, its message starting with `which`, for arguments no job can take.
+void check_args(const std::string& which, int64_t n, int param_dtype, const nb::bytes& scalars) {
+  if (n < 0) throw std::invalid_argument(which + "negative element count");
   if (scalars.size() != sizeof(Adam8bitScalars))
-    throw std::invalid_argument("adam8bit takes a " + std::to_string(sizeof(Adam8bitScalars)) +
+    throw std::invalid_argument(which + "adam8bit takes a " + std::to_string(sizeof(Adam8bitScalars)) +
                                 "-byte scalar struct; got " + std::to_string(scalars.size()));
   if (param_dtype < 0 || param_dtype > 2)
-    throw std::invalid_argument("param dtype code must be 0 (float32), 1 (float16) or 2 (bfloat16)");
-  Job job{};
-  job.blocks = (n + kQ8Block - 1) / kQ8Block;
-  if (job.blocks == 0) return;
-  const float* m1 = ptr<const float>(map1);
-  const float* m2 = ptr<const float>(map2);
-  job.q.map1 = tables_for(m1, m1 + kCodes).view();
-  job.q.map2 = tables_for(m2, m2 + kCodes).view();
-  job.q.param = ptr<void>(param);
-  job.q.grad = ptr<const void>(grad);
-  job.q.codes1 = ptr<uint8_t>(codes1);
-  job.q.absmax1 = ptr<float>(absmax1);
-  job.q.codes2 = ptr<uint8_t>(codes2);
-  job.q.absmax2 = ptr<float>(absmax2);
-  job.q.n = n;
-  std::memcpy(&job.q.s, scalars.c_str(), sizeof job.q.s);
-  job.q.sr_key = sr_key;
+    throw std::invalid_argument(which + "param dtype code must be 0 (float32), 1 (float16) or 2 (bfloat16)");
+}
+
+// Appends one tensor's job (its arguments already checked).
+void add_job(Batch& b, uintptr_t param, uintptr_t grad, uintptr_t codes1, uintptr_t absmax1, uintptr_t codes2,
+             uintptr_t absmax2, int64_t n, int param_dtype, const Q8Map& map1, const Q8Map& map2,
+             const nb::bytes& scalars, uint32_t sr_key, bool sr, bool floor) {
+  if (n == 0) return;
+  Q8Job q{};
+  q.map1 = map1;
+  q.map2 = map2;
+  q.param = ptr<void>(param);
+  q.grad = ptr<const void>(grad);
+  q.codes1 = ptr<uint8_t>(codes1);
+  q.absmax1 = ptr<float>(absmax1);
+  q.codes2 = ptr<uint8_t>(codes2);
+  q.absmax2 = ptr<float>(absmax2);
+  q.n = n;
+  std::memcpy(&q.s, scalars.c_str(), sizeof q.s);
+  q.sr_key = sr_key;
   const Q8Param kind = param_dtype == 0 ? Q8Param::F32
                        : param_dtype == 1 ? Q8Param::F16
                        : sr ? Q8Param::BF16SR : Q8Param::BF16;
-  job.fn = (floor ? active_isa().adam8bit_floor : active_isa().adam8bit)[int(kind)];
+  b.starts.push_back(b.total);
+  b.total += (n + kQ8Block - 1) / kQ8Block;
+  b.jobs.push_back(q);
+  b.fns.push_back((floor ? active_isa().adam8bit_floor : active_isa().adam8bit)[int(kind)]);
+}
+
+void run_batch(Batch& b, int num_threads) {
+  if (b.total == 0) return;
   // Below 128 blocks (32K elements) per thread, waking another costs more than it saves.
-  job.threads = int(std::max<int64_t>(1, std::min<int64_t>(std::max(num_threads, 1), job.blocks / 128)));
+  b.threads = int(std::max<int64_t>(1, std::min<int64_t>(std::max(num_threads, 1), b.total / 128)));
   nb::gil_scoped_release release;
-  ThreadPool::instance().run(job.threads, run_range, &job);
+  ThreadPool::instance().run(b.threads, run_range, &b);
+}
+
+Q8Map map_at(uintptr_t table) {
+  if (table == 0) throw std::invalid_argument("adam8bit: the map table's address is null");
+  const float* m = ptr<const float>(table);
+  return tables_for(m, m + kCodes).view();
+}
+
+void adam8bit_step(uintptr_t param, uintptr_t grad, uintptr_t codes1, uintptr_t absmax1, uintptr_t codes2,
+                   uintptr_t absmax2, int64_t n, int param_dtype, uintptr_t map1, uintptr_t map2,
+                   nb::bytes scalars, uint32_t sr_key, bool sr, int num_threads, bool floor) {
+  check_args("", n, param_dtype, scalars);
+  if (n == 0) return;
+  Batch b;
+  add_job(b, param, grad, codes1, absmax1, codes2, absmax2, n, param_dtype, map_at(map1), map_at(map2), scalars,
+          sr_key, sr, floor);
+  run_batch(b, num_threads);
+}
+
+// One call for many tensors: each argument a list with one entry per tensor (scalars may repeat
+// one bytes object). Everything is checked before anything runs.
+void adam8bit_step_many(const std::vector<uintptr_t>& params, const std::vector<uintptr_t>& grads,
+                        const std::vector<uintptr_t>& codes1, const std::vector<uintptr_t>& absmax1,
+                        const std::vector<uintptr_t>& codes2, const std::vector<uintptr_t>& absmax2,
+                        const std::vector<int64_t>& numels, const std::vector<int>& param_dtypes, uintptr_t map1,
+                        uintptr_t map2, const std::vector<nb::bytes>& scalars, const std::vector<uint32_t>& sr_keys,
+                        const std::vector<int>& sr, int num_threads) {
+  const size_t count = params.size();
+  for (size_t len : {grads.size(), codes1.size(), absmax1.size(), codes2.size(), absmax2.size(), numels.size(),
+                     param_dtypes.size(), scalars.size(), sr_keys.size(), sr.size()})
+    if (len != count)
+      throw std::invalid_argument("adam8bit_step_many: every list has one entry per tensor (" + std::to_string(count) +
+                                  "); got one of " + std::to_string(len));
+  int64_t total = 0;
+  for (size_t i = 0; i < count; ++i) {
+    check_args("tensor " + std::to_string(i) + ": ", numels[i], param_dtypes[i], scalars[i]);
+    total += numels[i];
+  }
+  if (total == 0) return;
+  const Q8Map m1 = map_at(map1), m2 = map_at(map2);
+  Batch b;
+  b.jobs.reserve(count);
+  for (size_t i = 0; i < count; ++i)
+    add_job(b, params[i], grads[i], codes1[i], absmax1[i], codes2[i], absmax2[i], numels[i], param_dtypes[i], m1, m2,
+            scalars[i], sr_keys[i], sr[i] != 0, false);
+  run_batch(b, num_threads);
 }
 
 }  // namespace
 
 void register_adam8bit(nb::module_& m) {
+  m.def("adam8bit_step_many", &adam8bit_step_many, nb::arg("params"), nb::arg("grads"), nb::arg("codes1"),
+        nb::arg("absmax1"), nb::arg("codes2"), nb::arg("absmax2"), nb::arg("numels"), nb::arg("param_dtypes"),
+        nb::arg("map1"), nb::arg("map2"), nb::arg("scalars"), nb::arg("sr_keys"), nb::arg("sr"),
+        nb::arg("num_threads"),
+        "adam8bit_step over many tensors in one call: one list entry per tensor for each argument but\n"
+        "the maps and the thread count; the tensors' blocks are shared among the threads as one range.\n"
+        "Every entry is checked before any tensor is written. Releases the GIL.");
   m.def("adam8bit_step", &adam8bit_step, nb::arg("param"), nb::arg("grad"), nb::arg("codes1"),
         nb::arg("absmax1"), nb::arg("codes2"), nb::arg("absmax2"), nb::arg("n"), nb::arg("param_dtype"),
         nb::arg("map1"), nb::arg("map2"), nb::arg("scalars"), nb::arg("sr_key"), nb::arg("sr"),
