@@ -58,7 +58,9 @@ def test_check_only_json():
     assert set(report) == {"self_check", "passed"} and report["passed"] is True
     from mps_fused_adam.selfcheck import PAIRS
     cpu_paths = [r for r in report["self_check"] if r["backend"].startswith("_cpu (")]
-    assert cpu_paths and len(cpu_paths) % len(PAIRS) == 0
+    per_path = len(PAIRS) * 3 + 5  # Adam, Lion, Adagrad per dtype pair; 8-bit Adam x 3, stochastic rounding x 2
+    assert cpu_paths and len(cpu_paths) % per_path == 0
+    assert sum(r["dtypes"].startswith(("adam8bit ", "adam-sr ")) for r in cpu_paths) == 5 * len(cpu_paths) // per_path
     # The CPU kernel equals the reference bit for bit on every SIMD path (the contract).
     assert all(r["bit_exact"] and r["worst_in_eps"] == 0 and r["passed"] for r in cpu_paths)
 

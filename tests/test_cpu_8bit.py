@@ -226,3 +226,26 @@ def test_optimizer_steps_its_cpu_8bit_tensors_in_one_call(monkeypatch):
     for p, r in zip(params, refs):
         assert torch.equal(p.detach(), r[0])
         assert torch.equal(opt.state[p]["exp_avg_codes"], r[1]["exp_avg_codes"])
+
+
+def test_selfcheck_of_lowbit_rules_catches_a_wrong_kernel():
+    """The low-bit self-check passes the CPU kernel bit for bit and fails a kernel that is off:
+    an 8-bit step with another beta1 changes codes (no bound can pass that), a stochastic-rounding
+    step rounding to nearest instead misses the bits."""
+    from mps_fused_adam.backends import CPUBackend
+    from mps_fused_adam.reference_lowbit import reference_adam8bit_
+    from mps_fused_adam.selfcheck import _cpu_lowbit, check_lowbit
+    good = list(check_lowbit(*_cpu_lowbit(CPUBackend()), "cpu", "_cpu", n=600))
+    assert len(good) == 5 and all(r.passed and r.bit_exact for r in good)
+
+    def off_8bit(p, g, st, hp, key):
+        import dataclasses
+        reference_adam8bit_(p, g, st["exp_avg_codes"], st["exp_avg_absmax"], st["exp_avg_sq_codes"],
+                            st["exp_avg_sq_absmax"], dataclasses.replace(hp, beta1=0.5), key)
+
+    def nearest(p, g, m, v, hp, key):
+        CPUBackend().update("adam", [p], [g], [[m], [v]], hp)
+
+    bad = list(check_lowbit(off_8bit, nearest, "cpu", "wrong", n=600))
+    assert not any(r.passed or r.bit_exact for r in bad[:3]), bad[:3]
+    assert not any(r.bit_exact for r in bad[3:]), bad[3:]

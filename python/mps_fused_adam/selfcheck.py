@@ -1,7 +1,8 @@
 """Self-check of every available backend against the reference (used by ``python -m mps_fused_adam``).
 
-A backend passes when, after three steps of each update rule (Adam, Lion, Adagrad) in each mode,
-its results are within the contract's
+A backend passes when, after three steps of each update rule (Adam, Lion, Adagrad; on the CPU
+kernel's SIMD paths and the Metal tiers also 8-bit Adam and bf16 stochastic rounding) in each
+mode, its results are within the contract's
 bound of the reference: ``8 * eps(dtype) * max|ref|`` per tensor (the README's "Numeric contract"). The
 measured worst difference is reported; on CPU it is normally exactly zero.
 :func:`torch_agreement` measures how far the contract is from ``torch.optim.AdamW`` (in ulps).
@@ -67,6 +68,70 @@ def check_backend(backend: Any, device: str, label: str, n: int = 4099) -> Itera
             yield CheckResult(label, device, label_dtypes, worst, exact)
 
 
+def _worst(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> tuple[float, bool]:
+    worst, exact = 0.0, True
+    for a, b in zip(ours, ref):
+        a = a.cpu()
+        exact &= torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+        if b.is_floating_point():
+            scale = torch.finfo(b.dtype).eps * max(b.float().abs().max().item(), torch.finfo(torch.float32).tiny)
+            worst = max(worst, (a.float() - b.float()).abs().max().item() / scale)
+        elif not torch.equal(a, b):  # a code differs: not within any bound
+            worst = float("inf")
+    return worst, exact
+
+
+def check_lowbit(adam8bit: Callable[..., None], adam_sr: Callable[..., None], device: str, label: str,
+                 n: int = 4099) -> Iterator[CheckResult]:
+    """The low-bit rules (lowbit.py) against their references, three steps each: 8-bit Adam for
+    each param dtype (``adam8bit(p, g, state, hyper, sr_key)``), and Adam with bf16 stochastic
+    rounding for both state dtypes (``adam_sr(p, g, m, v, hyper, sr_key)``). Codes must match
+    exactly; params and moments within the contract's bound."""
+    from . import lowbit
+    from .reference_lowbit import reference_adam8bit_, reference_adam_sr_
+    gen = torch.Generator().manual_seed(1)
+    for pd in (torch.float32, torch.float16, torch.bfloat16):
+        p = torch.randn(n, generator=gen).to(pd)
+        st = {"exp_avg_codes": torch.full((n,), lowbit.SIGNED_ZERO_CODE, dtype=torch.uint8),
+              "exp_avg_absmax": torch.zeros(lowbit.num_blocks(n)),
+              "exp_avg_sq_codes": torch.full((n,), lowbit.UNSIGNED_ZERO_CODE, dtype=torch.uint8),
+              "exp_avg_sq_absmax": torch.zeros(lowbit.num_blocks(n))}
+        ref = [p.clone()] + [t.clone() for t in st.values()]
+        ours_p, ours_st = p.to(device), {k: t.to(device) for k, t in st.items()}
+        for step in (1, 2, 3):
+            g = (torch.randn(n, generator=gen) * 0.1).to(pd)
+            hp = _hypers("adam", step, True)
+            key = lowbit.sr_key(5, step) if pd is torch.bfloat16 else None
+            adam8bit(ours_p, g.to(device), ours_st, hp, key)
+            reference_adam8bit_(ref[0], g, *ref[1:], hp, key)
+        worst, exact = _worst([ours_p, *ours_st.values()], ref)
+        yield CheckResult(label, device, f"adam8bit {str(pd)[6:]}/uint8", worst, exact)
+    for sd in (torch.float32, torch.bfloat16):
+        base = [torch.randn(n, generator=gen).bfloat16(), torch.zeros(n, dtype=sd), torch.zeros(n, dtype=sd)]
+        ref, ours = [t.clone() for t in base], [t.to(device) for t in base]
+        for step in (1, 2, 3):
+            g = (torch.randn(n, generator=gen) * 0.1).bfloat16()
+            hp, key = _hypers("adam", step, step != 2), lowbit.sr_key(9, step)
+            adam_sr(ours[0], g.to(device), ours[1], ours[2], hp, key)
+            reference_adam_sr_(ref[0], g, ref[1], ref[2], hp, key)
+        worst, exact = _worst(ours, ref)
+        yield CheckResult(label, device, f"adam-sr bfloat16/{str(sd)[6:]}", worst, exact)
+
+
+def _cpu_lowbit(cpu: Any) -> tuple[Callable[..., None], Callable[..., None]]:
+    from .optim8bit import _cpu_adam8bit
+    return (_cpu_adam8bit,
+            lambda p, g, m, v, hp, key: cpu.update("adam", [p], [g], [[m], [v]], hp, sr_keys=[key]))
+
+
+def _metal_lowbit(backend: Any) -> tuple[Callable[..., None], Callable[..., None]]:
+    from . import lowbit
+    from .optim8bit import _metal_adam8bit
+    return (lambda p, g, st, hp, key: _metal_adam8bit(backend, p, g, st, hp, key),
+            lambda p, g, m, v, hp, key: backend.update(lowbit.ADAM_SR.name, [p], [g], [[m], [v]],
+                                                       lowbit.AdamSRHyper(hp, key)))
+
+
 def all_checks() -> Iterator[CheckResult]:
     cpu = get_backend("cpu")
     if cpu.name == "cpu":
@@ -76,6 +141,7 @@ def all_checks() -> Iterator[CheckResult]:
             for path in _cpu.simd_paths():
                 _cpu.set_simd_path(path)
                 yield from check_backend(cpu, "cpu", f"_cpu ({path})")
+                yield from check_lowbit(*_cpu_lowbit(cpu), "cpu", f"_cpu ({path})")
         finally:
             _cpu.set_simd_path(before)
     yield from check_backend(ForeachBackend(), "cpu", "foreach")
@@ -87,6 +153,7 @@ def all_checks() -> Iterator[CheckResult]:
             except Exception:  # reported by backend_info; nothing to check
                 continue
             yield from check_backend(backend, "mps", label)
+            yield from check_lowbit(*_metal_lowbit(backend), "mps", label)
         yield from check_backend(ForeachBackend(), "mps", "foreach")
 
 
