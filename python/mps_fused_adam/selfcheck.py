@@ -10,6 +10,7 @@ measured worst difference is reported; on CPU it is normally exactly zero.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Callable, Iterator
 
 import torch
@@ -81,41 +82,57 @@ def _worst(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> tuple[float, bo
     return worst, exact
 
 
-def check_lowbit(adam8bit: Callable[..., None], adam_sr: Callable[..., None], device: str, label: str,
-                 n: int = 4099) -> Iterator[CheckResult]:
-    """The low-bit rules (lowbit.py) against their references, three steps each: 8-bit Adam for
-    each param dtype (``adam8bit(p, g, state, hyper, sr_key)``), and Adam with bf16 stochastic
-    rounding for both state dtypes (``adam_sr(p, g, m, v, hyper, sr_key)``). Codes must match
-    exactly; params and moments within the contract's bound."""
+@lru_cache(maxsize=2)
+def _lowbit_cases(n: int) -> tuple:
+    """The low-bit checks' inputs and reference results, made once for every backend checked:
+    per 8-bit param dtype (start param, start state, grads per step, sr keys, reference param and
+    state), then per stochastic-rounding state dtype (start tensors, grads, keys, references)."""
     from . import lowbit
     from .reference_lowbit import reference_adam8bit_, reference_adam_sr_
     gen = torch.Generator().manual_seed(1)
+    q8, sr = [], []
     for pd in (torch.float32, torch.float16, torch.bfloat16):
         p = torch.randn(n, generator=gen).to(pd)
         st = {"exp_avg_codes": torch.full((n,), lowbit.SIGNED_ZERO_CODE, dtype=torch.uint8),
               "exp_avg_absmax": torch.zeros(lowbit.num_blocks(n)),
               "exp_avg_sq_codes": torch.full((n,), lowbit.UNSIGNED_ZERO_CODE, dtype=torch.uint8),
               "exp_avg_sq_absmax": torch.zeros(lowbit.num_blocks(n))}
+        grads = [(torch.randn(n, generator=gen) * 0.1).to(pd) for _ in range(3)]
+        keys = [lowbit.sr_key(5, step) if pd is torch.bfloat16 else None for step in (1, 2, 3)]
         ref = [p.clone()] + [t.clone() for t in st.values()]
-        ours_p, ours_st = p.to(device), {k: t.to(device) for k, t in st.items()}
-        for step in (1, 2, 3):
-            g = (torch.randn(n, generator=gen) * 0.1).to(pd)
-            hp = _hypers("adam", step, True)
-            key = lowbit.sr_key(5, step) if pd is torch.bfloat16 else None
-            adam8bit(ours_p, g.to(device), ours_st, hp, key)
-            reference_adam8bit_(ref[0], g, *ref[1:], hp, key)
-        worst, exact = _worst([ours_p, *ours_st.values()], ref)
-        yield CheckResult(label, device, f"adam8bit {str(pd)[6:]}/uint8", worst, exact)
+        for step, g, key in zip((1, 2, 3), grads, keys):
+            reference_adam8bit_(ref[0], g, *ref[1:], _hypers("adam", step, True), key)
+        q8.append((p, st, grads, keys, ref))
     for sd in (torch.float32, torch.bfloat16):
         base = [torch.randn(n, generator=gen).bfloat16(), torch.zeros(n, dtype=sd), torch.zeros(n, dtype=sd)]
-        ref, ours = [t.clone() for t in base], [t.to(device) for t in base]
-        for step in (1, 2, 3):
-            g = (torch.randn(n, generator=gen) * 0.1).bfloat16()
-            hp, key = _hypers("adam", step, step != 2), lowbit.sr_key(9, step)
-            adam_sr(ours[0], g.to(device), ours[1], ours[2], hp, key)
-            reference_adam_sr_(ref[0], g, ref[1], ref[2], hp, key)
+        grads = [(torch.randn(n, generator=gen) * 0.1).bfloat16() for _ in range(3)]
+        keys = [lowbit.sr_key(9, step) for step in (1, 2, 3)]
+        ref = [t.clone() for t in base]
+        for step, g, key in zip((1, 2, 3), grads, keys):
+            reference_adam_sr_(ref[0], g, ref[1], ref[2], _hypers("adam", step, step != 2), key)
+        sr.append((base, grads, keys, ref))
+    return q8, sr
+
+
+def check_lowbit(adam8bit: Callable[..., None], adam_sr: Callable[..., None], device: str, label: str,
+                 n: int = 4099) -> Iterator[CheckResult]:
+    """The low-bit rules (lowbit.py) against their references, three steps each: 8-bit Adam for
+    each param dtype (``adam8bit(p, g, state, hyper, sr_key)``), and Adam with bf16 stochastic
+    rounding for both state dtypes (``adam_sr(p, g, m, v, hyper, sr_key)``). Codes must match
+    exactly; params and moments within the contract's bound."""
+    q8, sr = _lowbit_cases(n)
+    for p, st, grads, keys, ref in q8:
+        ours_p, ours_st = p.clone().to(device), {k: t.clone().to(device) for k, t in st.items()}
+        for step, g, key in zip((1, 2, 3), grads, keys):
+            adam8bit(ours_p, g.to(device), ours_st, _hypers("adam", step, True), key)
+        worst, exact = _worst([ours_p, *ours_st.values()], ref)
+        yield CheckResult(label, device, f"adam8bit {str(p.dtype)[6:]}/uint8", worst, exact)
+    for base, grads, keys, ref in sr:
+        ours = [t.clone().to(device) for t in base]
+        for step, g, key in zip((1, 2, 3), grads, keys):
+            adam_sr(ours[0], g.to(device), ours[1], ours[2], _hypers("adam", step, step != 2), key)
         worst, exact = _worst(ours, ref)
-        yield CheckResult(label, device, f"adam-sr bfloat16/{str(sd)[6:]}", worst, exact)
+        yield CheckResult(label, device, f"adam-sr bfloat16/{str(base[1].dtype)[6:]}", worst, exact)
 
 
 def _cpu_lowbit(cpu: Any) -> tuple[Callable[..., None], Callable[..., None]]:
