@@ -169,9 +169,10 @@ void register_adam8bit(nb::module_& m) {
         nb::arg("map1"), nb::arg("map2"), nb::arg("scalars"), nb::arg("sr_key"), nb::arg("sr"),
         nb::arg("num_threads"), nb::arg("floor") = false,
         "One 8-bit block-wise Adam step over one contiguous tensor given as host addresses: codes\n"
-        "(uint8) and block scales (fp32) of both moments; map1/map2 hold the 256 code values followed\n"
-        "by the 255 midpoints, a pad and the start counts (lowbit.kernel_table); scalars is lowbit.pack_adam8bit(hyper); with sr,\n"
-        "a bf16 param is stored by stochastic rounding with sr_key. With floor, the benchmark's memory\n"
+        "(uint8) and block scales (fp32) of both moments; map1/map2 start with the 256 code values and\n"
+        "255 midpoints (lowbit.kernel_table), from which the quantizer's own table is built once per\n"
+        "map; scalars is lowbit.pack_adam8bit(hyper); with sr, a bf16 param is stored by stochastic\n"
+        "rounding with sr_key. With floor, the benchmark's memory\n"
         "floor instead: the same bytes read and written, trivial math. Releases the GIL.");
 }
 
