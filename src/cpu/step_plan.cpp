@@ -292,6 +292,10 @@ class GroupPlan {
     std::vector<void*> hs;
     if (!TensorHandles::alloc(tensors.ptr(), hs)) return;
     handles_ = std::move(hs);
+    if (handles_.size() != entries_.size() * (k + 1)) {  // one handle per tensor passed, or none used
+      drop_handles();
+      return;
+    }
     planned_.resize(entries_.size());
     for (size_t i = 0; i < entries_.size(); ++i) {
       TensorMeta m;
