@@ -194,18 +194,15 @@ class GroupPlan {
   GroupPlan(const GroupPlan&) = delete;
   GroupPlan& operator=(const GroupPlan&) = delete;
 
-  // True when the plan still describes `params` and every planned param has a grad that fits;
-  // then `grads` and `grad_addresses` hold those grads and their addresses, in entry order.
-  // Writes nothing else, so a false answer leaves everything as it was.
-  bool check(nb::list params, nb::list grads, nb::list grad_addresses) const {
-    if (!handles_.empty() && TensorHandles::active()) return check_handles(params, grads, grad_addresses);
-    Names& n = names();
-    PyObject* plist = params.ptr();
+  // The param list has its planned length, and each param the step skipped is still in its place
+  // and still skipped: without a grad, or empty (and without state: the state snapshot says so).
+  bool idle_unchanged(PyObject* plist) const {
     if (PyList_GET_SIZE(plist) != size_) return false;
+    Names& n = names();
     for (const Idle& x : idle_) {
       PyObject* p = x.p.get();
       if (PyList_GET_ITEM(plist, x.index) != p) return false;
-      if (x.empty) {  // skipped while it stays empty (and without state: the state snapshot says so)
+      if (x.empty) {
         uint64_t numel;
         if (!attr_u64(p, n.numel, &numel) || numel != 0) return false;
         continue;
@@ -216,7 +213,42 @@ class GroupPlan {
       Py_DECREF(g);
       if (!none) return false;  // a grad appeared: a new kind of step, re-plan
     }
+    return true;
+  }
+
+  // Entry i's state: the same dict entries, the same tensors at the same addresses (read through
+  // their handles, or their data_ptr()), the planned step.
+  bool state_unchanged(size_t i, bool through_handles) const {
     const size_t k = keys_.size();
+    PyObject* st = entries_[i].st.get();
+    for (size_t j = 0; j < k; ++j) {
+      PyObject* t = PyDict_GetItemWithError(st, keys_[j].get());  // borrowed
+      if (t != states_[i * k + j].get()) { PyErr_Clear(); return false; }
+      uint64_t addr = 0;
+      if (through_handles) {
+        TensorMeta m;
+        if (!TensorHandles::meta(handles_[i * (k + 1) + 1 + j], &m)) return false;
+        addr = reinterpret_cast<uintptr_t>(m.data);
+      } else if (!attr_u64(t, names().data_ptr, &addr)) {
+        return false;
+      }
+      if (addr != state_addrs_[i * k + j]) return false;
+    }
+    PyObject* s = PyDict_GetItemWithError(st, names().step);
+    if (s == nullptr) { PyErr_Clear(); return false; }
+    int same_step = s == entries_[i].step.get() ? 1 : PyObject_RichCompareBool(s, entries_[i].step.get(), Py_EQ);
+    if (same_step != 1) { PyErr_Clear(); return false; }
+    return true;
+  }
+
+  // True when the plan still describes `params` and every planned param has a grad that fits;
+  // then `grads` and `grad_addresses` hold those grads and their addresses, in entry order.
+  // Writes nothing else, so a false answer leaves everything as it was.
+  bool check(nb::list params, nb::list grads, nb::list grad_addresses) const {
+    if (!handles_.empty() && TensorHandles::active()) return check_handles(params, grads, grad_addresses);
+    Names& n = names();
+    PyObject* plist = params.ptr();
+    if (!idle_unchanged(plist)) return false;
     for (size_t i = 0; i < entries_.size(); ++i) {
       const Entry& e = entries_[i];
       PyObject* p = e.p.get();
@@ -244,17 +276,7 @@ class GroupPlan {
       }
       Py_DECREF(g);
       if (!ok) return false;
-      // The state: the same dict entries, the same tensors at the same addresses, the planned step.
-      PyObject* st = e.st.get();
-      for (size_t j = 0; j < k; ++j) {
-        PyObject* t = PyDict_GetItemWithError(st, keys_[j].get());  // borrowed
-        if (t != states_[i * k + j].get()) { PyErr_Clear(); return false; }
-        if (!attr_u64(t, n.data_ptr, &addr) || addr != state_addrs_[i * k + j]) return false;
-      }
-      PyObject* s = PyDict_GetItemWithError(st, n.step);
-      if (s == nullptr) { PyErr_Clear(); return false; }
-      int same_step = s == e.step.get() ? 1 : PyObject_RichCompareBool(s, e.step.get(), Py_EQ);
-      if (same_step != 1) { PyErr_Clear(); return false; }
+      if (!state_unchanged(i, false)) return false;
     }
     return true;
   }
@@ -329,21 +351,7 @@ class GroupPlan {
   bool check_handles(nb::list params, nb::list grads, nb::list grad_addresses) const {
     Names& n = names();
     PyObject* plist = params.ptr();
-    if (PyList_GET_SIZE(plist) != size_) return false;
-    for (const Idle& x : idle_) {
-      PyObject* p = x.p.get();
-      if (PyList_GET_ITEM(plist, x.index) != p) return false;
-      if (x.empty) {
-        uint64_t numel;
-        if (!attr_u64(p, n.numel, &numel) || numel != 0) return false;
-        continue;
-      }
-      PyObject* g = n.grad(p);
-      if (g == nullptr) { PyErr_Clear(); return false; }
-      bool none = g == Py_None;
-      Py_DECREF(g);
-      if (!none) return false;
-    }
+    if (!idle_unchanged(plist)) return false;
     const size_t k = keys_.size(), count = entries_.size();
     nb::list gs;  // this step's grads, in entry order
     for (size_t i = 0; i < count; ++i) {
@@ -355,20 +363,7 @@ class GroupPlan {
       if (!TensorHandles::meta(handles_[i * (k + 1)], &m) || m.data != reinterpret_cast<void*>(e.pptr) ||
           !m.contiguous || !same_as_planned(m, planned_[i]))
         return false;
-      // The state: the same dict entries, the same tensors at the same addresses, the planned step.
-      PyObject* st = e.st.get();
-      for (size_t j = 0; j < k; ++j) {
-        PyObject* t = PyDict_GetItemWithError(st, keys_[j].get());  // borrowed
-        if (t != states_[i * k + j].get()) { PyErr_Clear(); return false; }
-        TensorMeta sm;
-        if (!TensorHandles::meta(handles_[i * (k + 1) + 1 + j], &sm) ||
-            sm.data != reinterpret_cast<void*>(state_addrs_[i * k + j]))
-          return false;
-      }
-      PyObject* s = PyDict_GetItemWithError(st, n.step);
-      if (s == nullptr) { PyErr_Clear(); return false; }
-      int same_step = s == e.step.get() ? 1 : PyObject_RichCompareBool(s, e.step.get(), Py_EQ);
-      if (same_step != 1) { PyErr_Clear(); return false; }
+      if (!state_unchanged(i, true)) return false;
       PyObject* g = n.grad(p);
       if (g == nullptr) { PyErr_Clear(); return false; }
       const bool none = g == Py_None;
