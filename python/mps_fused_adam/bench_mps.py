@@ -158,17 +158,20 @@ def _run_section(numel, many, tiny, repeats, out, *, device: str, sync: Callable
              (f"{tiny[0]} x {tiny[1]}", [tiny[1]] * tiny[0], torch.float32, torch.float32)]
     rows: list[dict] = []
     out(f"{'case':<22} {'dtypes':<16} {'implementation':<38} {'ns/elem':>8} {'GB/s':>7} {'% copy bw':>9} {'us/tensor':>9}")
-    for case, sizes, pdtype, sdtype in cases:
+    def measure(case: str, sizes: list[int], pdtype, sdtype, rule: str, make) -> None:
+        """One case: its contenders interleaved, one row each (printed and kept)."""
         tensors = [torch.randn(n, device=device).to(pdtype) for n in sizes]
-        contenders, notes = _contenders(tensors, pdtype, sdtype, tiers)
+        contenders, notes = make(tensors)
         for note in notes:
             out(f"  {note}")
-        elems = sum(sizes)
+        elems, nbytes = sum(sizes), bytes_moved(rule, pdtype, sdtype)
         for name, t in interleaved(contenders, repeats, sync).items():
-            gbs = elems * bytes_per_elem(pdtype, sdtype) / t / 1e9
+            gbs = elems * nbytes / t / 1e9
             row = dict(case=case, param_dtype=str(pdtype), state_dtype=str(sdtype), implementation=name,
                        ns_per_elem=t / elems * 1e9, gb_per_s=gbs, frac_copy_bw=gbs * 1e9 / bandwidth,
                        us_per_tensor=t / len(sizes) * 1e6)
+            if rule != "adam":
+                row["rule"] = rule
             rows.append(row)
             dt = f"{str(pdtype)[6:]}/{str(sdtype)[6:]}"
             out(f"{case:<22} {dt:<16} {name:<38} {row['ns_per_elem']:>8.3f} {gbs:>7.1f} "
@@ -176,23 +179,10 @@ def _run_section(numel, many, tiny, repeats, out, *, device: str, sync: Callable
         del tensors, contenders
         if device == "mps":
             torch.mps.empty_cache()
+
+    for case, sizes, pdtype, sdtype in cases:
+        measure(case, sizes, pdtype, sdtype, "adam", lambda ts: _contenders(ts, pdtype, sdtype, tiers))
     for rule, pdtype, sdtype in RULE_CASES:
-        tensors = [torch.randn(numel, device=device).to(pdtype)]
-        contenders, notes = _rule_contenders(rule, tensors, pdtype, sdtype, tiers)
-        for note in notes:
-            out(f"  {note}")
-        nbytes = bytes_moved(rule, pdtype, sdtype)
-        case = f"flat {numel}"
-        for name, t in interleaved(contenders, repeats, sync).items():
-            gbs = numel * nbytes / t / 1e9
-            row = dict(case=case, param_dtype=str(pdtype), state_dtype=str(sdtype), implementation=name,
-                       ns_per_elem=t / numel * 1e9, gb_per_s=gbs, frac_copy_bw=gbs * 1e9 / bandwidth,
-                       us_per_tensor=t * 1e6, rule=rule)
-            rows.append(row)
-            dt = f"{str(pdtype)[6:]}/{str(sdtype)[6:]}"
-            out(f"{case:<22} {dt:<16} {name:<38} {row['ns_per_elem']:>8.3f} {gbs:>7.1f} "
-                f"{100 * row['frac_copy_bw']:>8.0f}% {row['us_per_tensor']:>9.2f}")
-        del tensors, contenders
-        if device == "mps":
-            torch.mps.empty_cache()
+        measure(f"flat {numel}", [numel], pdtype, sdtype, rule,
+                lambda ts: _rule_contenders(rule, ts, pdtype, sdtype, tiers))
     return rows
