@@ -154,7 +154,8 @@ class _Adam8bitBase(torch.optim.Optimizer):
             backend = backends.get(p.device)
             if backend is None:
                 backend = backends[p.device] = get_backend(p.device)
-            if "exp_avg_codes" in st and cpu_ext is not None and not isinstance(backend, metal) and _cpu_batchable(p, st):
+            if ("exp_avg_codes" in st and cpu_ext is not None and not isinstance(backend, metal)
+                    and _cpu_batchable(p, st)):
                 q8.append((p, st, hp, key))
             elif "exp_avg_codes" not in st and key is None:
                 small.setdefault((p.device, id(hp), p.dtype), []).append((p, st, hp))
