@@ -45,6 +45,21 @@ def _seed():
     torch.manual_seed(1234)
 
 
+def _simd_paths() -> list[str]:
+    from mps_fused_adam import _cpu
+    return _cpu.simd_paths()
+
+
+@pytest.fixture(params=_simd_paths())
+def simd(request):
+    """Each SIMD build of the CPU kernel this machine can run, selected for the test's duration."""
+    from mps_fused_adam import _cpu
+    before = _cpu.simd_path()
+    _cpu.set_simd_path(request.param)
+    yield request.param
+    _cpu.set_simd_path(before)
+
+
 @pytest.fixture(scope="session")
 def emu():
     """The host emulator: metal/fused_adam.metal compiled as C++ (tests/emulated_mps.py)."""

@@ -49,14 +49,6 @@ def assert_same(a, b):
         assert torch.equal(sa[k].view(torch.uint8), sb[k].view(torch.uint8)), f"{k} differs"
 
 
-@pytest.fixture(params=_cpu.simd_paths())
-def simd(request):
-    before = _cpu.simd_path()
-    _cpu.set_simd_path(request.param)
-    yield request.param
-    _cpu.set_simd_path(before)
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [1, 255, 256, 257, 4097])
 @pytest.mark.parametrize("mode", [dict(), dict(adam_w_mode=False, maximize=True), dict(bias_correction=False)],

@@ -15,14 +15,6 @@ from mps_fused_adam.reference import reference_adam_
 from conftest import DTYPE_PAIRS, pair_id
 
 
-@pytest.fixture(params=_cpu.simd_paths())
-def simd(request):
-    before = _cpu.simd_path()
-    _cpu.set_simd_path(request.param)
-    yield request.param
-    _cpu.set_simd_path(before)
-
-
 def make_tensors(n: int, pdtype: torch.dtype, sdtype: torch.dtype):
     p = torch.randn(n).to(pdtype)
     g = (torch.randn(n) * 0.5).to(pdtype)

@@ -68,14 +68,6 @@ def run(backend, rule, tensors, steps, **kw):
     return ours, ref
 
 
-@pytest.fixture(params=_cpu.simd_paths())
-def simd(request):
-    before = _cpu.simd_path()
-    _cpu.set_simd_path(request.param)
-    yield request.param
-    _cpu.set_simd_path(before)
-
-
 @pytest.mark.parametrize("rule", RULE_NAMES)
 @pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=pair_id)
 @pytest.mark.parametrize("n,maximize,wd", [(1, False, 0.1), (7, True, 0.1), (4097, False, 0.0), (4097, True, 0.1),

@@ -29,6 +29,23 @@ static uint16_t to_half_bits(float f, bool bf) {
   return b;
 }
 
+// n values of dist(rng) / 256 (zeros included), stored as fp32 (elem 4) or as fp16/bf16 bits
+// (elem 2); `nonneg` folds them to |x| (second moments, sums of squares).
+template <class Rng, class Dist>
+std::vector<uint8_t> random_values(int n, int elem, bool bf, bool nonneg, Rng& rng, Dist& dist) {
+  std::vector<uint8_t> buf(size_t(n) * elem);
+  for (int i = 0; i < n; ++i) {
+    float x = dist(rng) / 256.0f;
+    if (nonneg) x = x < 0 ? -x : x;
+    if (elem == 4) std::memcpy(&buf[size_t(i) * 4], &x, 4);
+    else {
+      const uint16_t h = to_half_bits(x, bf);
+      std::memcpy(&buf[size_t(i) * 2], &h, 2);
+    }
+  }
+  return buf;
+}
+
 int main() {
   const IsaTable a = isa_scalar::table(), b = MFA_NATIVE_NS::table();
   const int sizes[] = {1, 3, 4, 5, 17, 1000, 4099};
@@ -50,17 +67,8 @@ int main() {
         std::vector<std::vector<uint8_t>> bufs[2];
         for (int k = 0; k < 2; ++k) bufs[k].resize(4);
         int es[4] = {elem[combo], elem[combo], state_elem[combo], state_elem[combo]};
-        for (int t = 0; t < 4; ++t) {
-          bufs[0][t].resize(size_t(n) * es[t]);
-          for (int i = 0; i < n; ++i) {
-            float x = dist(rng) / 256.0f;
-            if (t == 3) x = x < 0 ? -x : x;  // second moment stays non-negative
-            if (es[t] == 4) std::memcpy(&bufs[0][t][i * 4], &x, 4);
-            else {
-              uint16_t h = to_half_bits(x, combo >= int(Combo::BF16_F32));
-              std::memcpy(&bufs[0][t][i * 2], &h, 2);
-            }
-          }
+        for (int t = 0; t < 4; ++t) {  // the second moment (t == 3) stays non-negative
+          bufs[0][t] = random_values(n, es[t], combo >= int(Combo::BF16_F32), t == 3, rng, dist);
           bufs[1][t] = bufs[0][t];
         }
         for (int k = 0; k < 2; ++k) {
@@ -89,17 +97,9 @@ int main() {
         std::vector<std::vector<uint8_t>> bufs[2];
         for (int k = 0; k < 2; ++k) bufs[k].resize(3);
         int es[3] = {elem[combo], elem[combo], state_elem[combo]};
-        for (int t = 0; t < 3; ++t) {
-          bufs[0][t].resize(size_t(n) * es[t]);
-          for (int i = 0; i < n; ++i) {
-            float x = dist(rng) / 256.0f;  // zeros included: Lion's c = 0 path
-            if (t == 2 && id == RuleId::Adagrad) x = x < 0 ? -x : x;  // a sum of squares
-            if (es[t] == 4) std::memcpy(&bufs[0][t][i * 4], &x, 4);
-            else {
-              uint16_t h = to_half_bits(x, combo >= int(Combo::BF16_F32));
-              std::memcpy(&bufs[0][t][i * 2], &h, 2);
-            }
-          }
+        for (int t = 0; t < 3; ++t) {  // zeros included: Lion's c = 0 path; Adagrad's state a sum of squares
+          bufs[0][t] = random_values(n, es[t], combo >= int(Combo::BF16_F32), t == 2 && id == RuleId::Adagrad, rng,
+                                     dist);
           bufs[1][t] = bufs[0][t];
         }
         for (int k = 0; k < 2; ++k) {
@@ -136,17 +136,7 @@ int main() {
         const int64_t nb = (n + kQ8Block - 1) / kQ8Block;
         std::vector<uint8_t> bufs[2][4];  // param, grad, codes1, codes2
         std::vector<float> scales[2][2];
-        bufs[0][0].resize(size_t(n) * pe);
-        bufs[0][1].resize(size_t(n) * pe);
-        for (int t = 0; t < 2; ++t)
-          for (int i = 0; i < n; ++i) {
-            const float x = dist(rng) / 256.0f;
-            if (pe == 4) std::memcpy(&bufs[0][t][i * 4], &x, 4);
-            else {
-              const uint16_t h = to_half_bits(x, kind >= int(Q8Param::BF16));
-              std::memcpy(&bufs[0][t][i * 2], &h, 2);
-            }
-          }
+        for (int t = 0; t < 2; ++t) bufs[0][t] = random_values(n, pe, kind >= int(Q8Param::BF16), false, rng, dist);
         for (int t = 2; t < 4; ++t) {
           bufs[0][t].resize(size_t(n));
           for (auto& c : bufs[0][t]) c = uint8_t(rng());
