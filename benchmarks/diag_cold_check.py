@@ -24,9 +24,9 @@ warm, cold = [], []
 for _ in range(15):
     big.add_(1.0)  # evicts the caches
     t0 = time.perf_counter()
-    plan.check(ps, [], [])
+    plan.check(ps, [], [], torch.get_num_threads())
     t1 = time.perf_counter()
-    plan.check(ps, [], [])
+    plan.check(ps, [], [], torch.get_num_threads())
     t2 = time.perf_counter()
     cold.append(t1 - t0)
     warm.append(t2 - t1)

@@ -349,6 +349,34 @@ def test_group_of_1000_tensors_matches_reference():
     assert uses(m.plan()) == 3
 
 
+@pytest.mark.parametrize("where", ["param", "state", "grad"])
+@pytest.mark.parametrize("index", [0, 350, 699])
+def test_check_shared_over_threads_sees_a_change_in_every_part(where, index):
+    """A large group's shim reads are split over pool threads (step_plan.cpp, ShimCheck): whichever
+    part holds the change, and however many threads share the reads, the check rejects the step;
+    otherwise it hands back every grad and its address in entry order."""
+    m = Mirror([(4,)] * 700)
+    m.step()
+    m.step()
+    plan = m.plan().native
+    for p in m.params:
+        p.grad = torch.randn(4)
+    for threads in (1, 2, 5):
+        grads, addresses = [], []
+        assert plan.check(m.params, grads, addresses, threads)
+        assert [g is p.grad for g, p in zip(grads, m.params)] == [True] * 700
+        assert addresses == [p.grad.data_ptr() for p in m.params]
+    p = m.params[index]
+    if where == "param":
+        p.data = torch.randn(4)
+    elif where == "state":
+        m.opt.state[p]["exp_avg_sq"].data = torch.zeros(4)
+    else:
+        p.grad.data = torch.randn(3)
+    for threads in (1, 2, 5):
+        assert not plan.check(m.params, [], [], threads)
+
+
 def test_mps_buffers_match_mps_buffer():
     """Tier 1's quick buffer triples are mps_buffer's, for views at an offset, with addresses from a
     plan's list or read afresh, and for an empty tensor."""

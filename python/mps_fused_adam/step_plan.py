@@ -22,7 +22,9 @@ per-param dicts (``_cpu.DictSnapshot``: this notices ``load_state_dict`` and a r
 per-param state). The loop reads the tensors through torch's AOTInductor C shim where this torch
 has it (``src/cpu/tensor_handles.h``: a plan holds a handle per param and state tensor, which
 sees any later change of its metadata, and each check makes one per grad), otherwise through
-their ordinary Python attributes; ``MPS_FUSED_ADAM_TENSOR_HANDLES=0`` chooses the latter.
+their ordinary Python attributes; ``MPS_FUSED_ADAM_TENSOR_HANDLES=0`` chooses the latter. In a
+group of hundreds of tensors the shim reads, mostly cache misses after a kernel pass, are shared
+by the kernel's threads (``torch.get_num_threads()``); the Python reads stay on the caller.
 Any difference, or anything the check cannot read, sends the group through the
 full validation again, which raises the same errors as before (naming the parameter, what was
 expected and what was found) or runs the step and plans anew. The check writes nothing, so a
@@ -171,6 +173,6 @@ def check(plan: Plan, params: list) -> Optional[list[tuple[Bucket, Addressed]]]:
         return None
     grads: list = []
     addresses: list = []
-    if not plan.native.check(params, grads, addresses):
+    if not plan.native.check(params, grads, addresses, torch.get_num_threads()):
         return None
     return [(b, _addressed(grads[b.begin:b.end], addresses[b.begin:b.end])) for b in plan.buckets]

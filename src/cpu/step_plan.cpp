@@ -12,12 +12,15 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "tensor_handles.h"
+#include "thread_pool.h"
 
 namespace nb = nanobind;
 using mfa::HandleBatch;
@@ -216,23 +219,16 @@ class GroupPlan {
     return true;
   }
 
-  // Entry i's state: the same dict entries, the same tensors at the same addresses (read through
-  // their handles, or their data_ptr()), the planned step.
-  bool state_unchanged(size_t i, bool through_handles) const {
+  // Entry i's state: the same dict entries, the same tensors (at the same addresses, read through
+  // their data_ptr(), if `addresses`: the shim path reads them in shim_unchanged()), the planned step.
+  bool state_unchanged(size_t i, bool addresses) const {
     const size_t k = keys_.size();
     PyObject* st = entries_[i].st.get();
     for (size_t j = 0; j < k; ++j) {
       PyObject* t = PyDict_GetItemWithError(st, keys_[j].get());  // borrowed
       if (t != states_[i * k + j].get()) { PyErr_Clear(); return false; }
       uint64_t addr = 0;
-      if (through_handles) {
-        TensorMeta m;
-        if (!TensorHandles::meta(handles_[i * (k + 1) + 1 + j], &m)) return false;
-        addr = reinterpret_cast<uintptr_t>(m.data);
-      } else if (!attr_u64(t, names().data_ptr, &addr)) {
-        return false;
-      }
-      if (addr != state_addrs_[i * k + j]) return false;
+      if (addresses && (!attr_u64(t, names().data_ptr, &addr) || addr != state_addrs_[i * k + j])) return false;
     }
     PyObject* s = PyDict_GetItemWithError(st, names().step);
     if (s == nullptr) { PyErr_Clear(); return false; }
@@ -244,8 +240,8 @@ class GroupPlan {
   // True when the plan still describes `params` and every planned param has a grad that fits;
   // then `grads` and `grad_addresses` hold those grads and their addresses, in entry order.
   // Writes nothing else, so a false answer leaves everything as it was.
-  bool check(nb::list params, nb::list grads, nb::list grad_addresses) const {
-    if (!handles_.empty() && TensorHandles::active()) return check_handles(params, grads, grad_addresses);
+  bool check(nb::list params, nb::list grads, nb::list grad_addresses, int threads) const {
+    if (!handles_.empty() && TensorHandles::active()) return check_handles(params, grads, grad_addresses, threads);
     Names& n = names();
     PyObject* plist = params.ptr();
     if (!idle_unchanged(plist)) return false;
@@ -276,7 +272,7 @@ class GroupPlan {
       }
       Py_DECREF(g);
       if (!ok) return false;
-      if (!state_unchanged(i, false)) return false;
+      if (!state_unchanged(i, true)) return false;
     }
     return true;
   }
@@ -347,23 +343,19 @@ class GroupPlan {
 
   // check() with the planned tensors' metadata read through their handles, and the new grads'
   // through handles made for this call: the same conditions, a few Python calls per tensor
-  // instead of about a dozen.
-  bool check_handles(nb::list params, nb::list grads, nb::list grad_addresses) const {
+  // instead of about a dozen. The Python part (list, state dicts, grad attributes) runs here, with
+  // the GIL; the shim part, mostly cache misses on each tensor's TensorImpl and storage after a
+  // kernel pass has flushed the caches, is split over `threads` pool threads for large groups.
+  bool check_handles(nb::list params, nb::list grads, nb::list grad_addresses, int threads) const {
     Names& n = names();
     PyObject* plist = params.ptr();
     if (!idle_unchanged(plist)) return false;
-    const size_t k = keys_.size(), count = entries_.size();
+    const size_t count = entries_.size();
     nb::list gs;  // this step's grads, in entry order
     for (size_t i = 0; i < count; ++i) {
       const Entry& e = entries_[i];
       PyObject* p = e.p.get();
-      if (PyList_GET_ITEM(plist, e.index) != p) return false;
-      TensorMeta m;
-      // The param: nothing that validation looked at may have moved (.data assignment, resize).
-      if (!TensorHandles::meta(handles_[i * (k + 1)], &m) || m.data != reinterpret_cast<void*>(e.pptr) ||
-          !m.contiguous || !same_as_planned(m, planned_[i]))
-        return false;
-      if (!state_unchanged(i, true)) return false;
+      if (PyList_GET_ITEM(plist, e.index) != p || !state_unchanged(i, /*addresses=*/false)) return false;
       PyObject* g = n.grad(p);
       if (g == nullptr) { PyErr_Clear(); return false; }
       const bool none = g == Py_None;
@@ -371,14 +363,18 @@ class GroupPlan {
       Py_DECREF(g);
       if (none) return false;
     }
-    // The grads: new tensors every step, so every property the kernel relies on is read anew.
     HandleBatch batch;
     if (!TensorHandles::alloc(gs.ptr(), batch.handles) || batch.handles.size() != count) return false;
+    ShimCheck job{this, batch.handles.data(), std::vector<uintptr_t>(count), {}, count, 1};
+    // Each pool thread takes at least kShimChunk entries: below that, waking it costs more than
+    // its share of the misses.
+    constexpr size_t kShimChunk = 128;
+    job.parts = int(std::max<size_t>(1, std::min<size_t>(size_t(std::max(threads, 1)), count / kShimChunk)));
+    if (job.parts > 1) mfa::ThreadPool::instance().run(job.parts, &ShimCheck::run, &job);
+    else ShimCheck::run(&job, 0);
+    if (job.failed.load(std::memory_order_relaxed)) return false;
     for (size_t i = 0; i < count; ++i) {
-      TensorMeta m;
-      if (!TensorHandles::meta(batch.handles[i], &m) || !m.contiguous || !same_as_planned(m, planned_[i]))
-        return false;
-      PyObject* a = PyLong_FromUnsignedLongLong(reinterpret_cast<uintptr_t>(m.data));
+      PyObject* a = PyLong_FromUnsignedLongLong(job.grad_addrs[i]);
       bool ok = a != nullptr && PyList_Append(grads.ptr(), PyList_GET_ITEM(gs.ptr(), i)) == 0 &&
                 PyList_Append(grad_addresses.ptr(), a) == 0;
       Py_XDECREF(a);
@@ -386,6 +382,45 @@ class GroupPlan {
     }
     return true;
   }
+
+  // The shim reads of check_handles() for entries [begin, end): no Python, so pool threads can
+  // run it while the caller holds the GIL. Each param: nothing that validation looked at may have
+  // moved (.data assignment, resize); its states: the planned addresses; its grad, a new tensor
+  // every step: every property the kernel relies on.
+  bool shim_unchanged(size_t begin, size_t end, void* const* grad_handles, uintptr_t* grad_addrs) const {
+    const size_t k = keys_.size();
+    for (size_t i = begin; i < end; ++i) {
+      TensorMeta m;
+      if (!TensorHandles::meta(handles_[i * (k + 1)], &m) || m.data != reinterpret_cast<void*>(entries_[i].pptr) ||
+          !m.contiguous || !same_as_planned(m, planned_[i]))
+        return false;
+      for (size_t j = 0; j < k; ++j) {
+        void* data = nullptr;
+        if (!TensorHandles::address(handles_[i * (k + 1) + 1 + j], &data) ||
+            reinterpret_cast<uintptr_t>(data) != state_addrs_[i * k + j])
+          return false;
+      }
+      if (!TensorHandles::meta(grad_handles[i], &m) || !m.contiguous || !same_as_planned(m, planned_[i]))
+        return false;
+      grad_addrs[i] = reinterpret_cast<uintptr_t>(m.data);
+    }
+    return true;
+  }
+
+  struct ShimCheck {
+    const GroupPlan* plan;
+    void* const* grad_handles;
+    std::vector<uintptr_t> grad_addrs;
+    std::atomic<bool> failed;
+    size_t count;
+    int parts;
+    static void run(void* ctx, int part) {
+      auto* j = static_cast<ShimCheck*>(ctx);
+      const size_t begin = j->count * size_t(part) / size_t(j->parts), end = j->count * size_t(part + 1) / size_t(j->parts);
+      if (!j->plan->shim_unchanged(begin, end, j->grad_handles, j->grad_addrs.data()))
+        j->failed.store(true, std::memory_order_relaxed);
+    }
+  };
 
   std::vector<void*> handles_;
   std::vector<Planned> planned_;
@@ -445,7 +480,9 @@ void register_step_plan(nb::module_& m) {
       .def(nb::init<nb::list, nb::list, nb::list, nb::list>(), nb::arg("params"), nb::arg("state_names"),
            nb::arg("active"), nb::arg("idle"))
       .def("check", &GroupPlan::check, nb::arg("params"), nb::arg("grads"), nb::arg("grad_addresses"),
-           "True when nothing planned changed; fills grads and grad_addresses in entry order.")
+           nb::arg("threads") = 1,
+           "True when nothing planned changed; fills grads and grad_addresses in entry order.\n"
+           "`threads`: pool threads that may share the tensor reads of a large group.")
       .def("set_steps", &GroupPlan::set_steps, nb::arg("begin"), nb::arg("end"), nb::arg("step"),
            "Write `step` into the state dicts of entries [begin, end).")
       .def("__len__", &GroupPlan::size)
