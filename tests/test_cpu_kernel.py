@@ -201,3 +201,38 @@ def test_simd_env_override_and_warning(tmp_path):
     env["MPS_FUSED_ADAM_SIMD"] = "neon" if "neon" not in _cpu.simd_paths() else "avx2"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert f"MPS_FUSED_ADAM_SIMD={env['MPS_FUSED_ADAM_SIMD']!r} is not supported on this CPU" in out
+
+
+@pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=pair_id)
+def test_prefetch_distance_changes_speed_only(pair):
+    """The software prefetch distance (chosen per CPU vendor and dtypes) moves no bit: every
+    distance, the per-vendor choice included, matches the reference."""
+    tensors = make_tensors(10_000, *pair)
+    try:
+        for distance in (0, 64, 1024, 65536, None):
+            _cpu.set_prefetch_bytes(distance)
+            assert_identical(*run_both(tensors, 2))
+    finally:
+        _cpu.set_prefetch_bytes(None)
+
+
+def test_prefetch_distance_choice_and_overrides():
+    import os
+    import subprocess
+    try:
+        for psize, ssize in ((4, 4), (2, 2), (2, 4)):
+            assert _cpu.prefetch_bytes(psize, ssize) in (0, 512, 1024)
+        _cpu.set_prefetch_bytes(256)
+        assert [_cpu.prefetch_bytes(p, s) for p, s in ((4, 4), (2, 2), (2, 4))] == [256] * 3
+        for bad in (-2, 65537):
+            with pytest.raises(ValueError, match=f"prefetch distance must be 0 to 65536 bytes .*got {bad}"):
+                _cpu.set_prefetch_bytes(bad)
+        assert _cpu.prefetch_bytes(4, 4) == 256  # a rejected value changes nothing
+    finally:
+        _cpu.set_prefetch_bytes(None)
+    code = "from mps_fused_adam import _cpu; print(_cpu.prefetch_bytes(4, 4), _cpu.prefetch_bytes(2, 2))"
+    default = f"{_cpu.prefetch_bytes(4, 4)} {_cpu.prefetch_bytes(2, 2)}"
+    for value, expected in (("128", "128 128"), ("0", "0 0"), ("lots", default), ("-5", default)):
+        env = dict(os.environ, MPS_FUSED_ADAM_PREFETCH=value)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.split() == expected.split(), value

@@ -81,16 +81,11 @@ template <> struct ParamStorage<bf16sr> {
 #endif
 };
 
-// Vectors per loop iteration, and how far ahead (bytes) to prefetch each stream (0: leave it to
-// the hardware prefetchers). Build-time knobs for tuning; the defaults are the measured choice
-// (16-core Xeon, AVX-512, one interleaved benchmark run each: prefetching 1 KiB ahead took the
-// flat cases at 4 threads from 0.89-0.93 of the memory floor to 0.91-0.94, at 1 thread from
-// 0.85-0.94 to 0.86-1.01; unrolling 4 vectors instead of 2 was no better).
+// Vectors per loop iteration: a build-time knob for tuning; 2 is the measured choice (16-core
+// Xeon, AVX-512: unrolling 4 vectors was no better). The prefetch distance is chosen at run time
+// per CPU vendor and dtypes (prefetch_bytes(), adam_types.h).
 #ifndef MFA_UNROLL
 #define MFA_UNROLL 2
-#endif
-#ifndef MFA_PREFETCH
-#define MFA_PREFETCH 1024
 #endif
 
 template <class Rule, class PS, class S>
@@ -106,14 +101,16 @@ void span_kernel(const Span& sp, int64_t begin, int64_t end, const void* scalars
   S* st[K];
   for (int k = 0; k < K; ++k) st[k] = static_cast<S*>(sp.state[k]);
   int64_t i = begin;
+  const int prefetch = prefetch_bytes(int(sizeof(P)), int(sizeof(S)));
+  const int64_t ahead_p = prefetch / int(sizeof(P)), ahead_s = prefetch / int(sizeof(S));
   // U independent vectors per iteration: the divide/sqrt chain of one hides the others' latency.
   constexpr int U = MFA_UNROLL;
   for (; i + U * W <= end; i += U * W) {
-    if (MFA_PREFETCH > 0) {
+    if (prefetch > 0) {
       for (int u = 0; u < U; ++u) {
-        __builtin_prefetch(p + i + u * W + MFA_PREFETCH / int(sizeof(P)), 1);
-        __builtin_prefetch(g + i + u * W + MFA_PREFETCH / int(sizeof(P)), 0);
-        for (int k = 0; k < K; ++k) __builtin_prefetch(st[k] + i + u * W + MFA_PREFETCH / int(sizeof(S)), 1);
+        __builtin_prefetch(p + i + u * W + ahead_p, 1);
+        __builtin_prefetch(g + i + u * W + ahead_p, 0);
+        for (int k = 0; k < K; ++k) __builtin_prefetch(st[k] + i + u * W + ahead_s, 1);
       }
     }
     F pv[U], sv[U][K];

@@ -5,6 +5,13 @@
 
 namespace mfa {
 
+// How far ahead (bytes) the kernel loop prefetches each stream of a tensor whose params and
+// states have these element sizes; 0 leaves it to the hardware prefetchers. Chosen per CPU
+// vendor and sizes (dispatch.cpp), unless MPS_FUSED_ADAM_PREFETCH or set_prefetch_bytes() fixed
+// one distance for all.
+int prefetch_bytes(int param_size, int state_size);
+void set_prefetch_bytes(int bytes);  // 0 to 65536, or -1 for the per-vendor choice; else throws
+
 // Storage tags: half and bfloat16 travel as raw bits; the ISA layer widens them to float.
 struct f16 { uint16_t bits; };
 struct bf16 { uint16_t bits; };

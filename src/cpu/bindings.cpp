@@ -2,6 +2,7 @@
 // tensor.data_ptr() in Python), so the module never touches torch's C++ ABI and one wheel serves
 // every torch release.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -161,6 +162,13 @@ NB_MODULE(_cpu, m) {
     return names;
   }, "The SIMD builds this CPU can run, best first.");
   m.def("set_simd_path", [](const std::string& name) { set_active_isa(name); }, "Select a SIMD build by name.");
+  m.def("prefetch_bytes", [](int param_size, int state_size) { return prefetch_bytes(param_size, state_size); },
+        nb::arg("param_size"), nb::arg("state_size"),
+        "How far ahead (bytes) the kernel prefetches each stream for params and states of these\n"
+        "element sizes (4: fp32, 2: fp16/bf16); 0: the hardware prefetchers alone.");
+  m.def("set_prefetch_bytes", [](std::optional<int> bytes) { set_prefetch_bytes(bytes ? *bytes : -1); },
+        nb::arg("bytes").none(),
+        "One prefetch distance (0 to 65536 bytes) for every dtype, or None: the per-vendor choice.");
   register_adam8bit(m);
   register_step_plan(m);
   m.def("pool_size", [] { return ThreadPool::instance().size(); }, "Threads in the pool, the caller included.");

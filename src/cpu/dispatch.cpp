@@ -3,6 +3,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <stdexcept>
+#include <string>
 
 namespace mfa {
 namespace isa_scalar { IsaTable table(); }
@@ -56,6 +57,50 @@ const IsaTable& active_isa() {
     g_active.store(t);
   }
   return *t;
+}
+
+// Software prefetch, measured per vendor with every distance in one process
+// (benchmarks/diag_prefetch.py, prefetch_*.txt): on the 16-core Intel Xeon 512 to 2048 bytes ahead
+// beat none in every case (1 KiB kept); on the 2-core AMD EPYC (Zen 4) none was best with fp32
+// params (the prefetches only take load slots there), and 512 bytes with 2-byte params (bf16 and
+// fp32 states about even, bf16 states 15% faster at 1 thread). Elsewhere (Apple Silicon
+// included: untested there) the Xeon's choice stands.
+static bool amd_cpu() {
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amd");
+#else
+  return false;
+#endif
+}
+
+static int vendor_prefetch(int param_size, int state_size) {
+  static const bool amd = amd_cpu();
+  (void)state_size;
+  if (!amd) return 1024;
+  return param_size == 2 ? 512 : 0;
+}
+
+static int parse_prefetch_env() {
+  const char* env = std::getenv("MPS_FUSED_ADAM_PREFETCH");
+  if (!env || !*env) return -1;
+  char* end = nullptr;
+  long v = std::strtol(env, &end, 10);
+  return (*end == 0 && v >= 0 && v <= 65536) ? int(v) : -1;
+}
+
+static std::atomic<int> g_prefetch{parse_prefetch_env()};  // -1: the per-vendor choice
+
+int prefetch_bytes(int param_size, int state_size) {
+  const int fixed = g_prefetch.load(std::memory_order_relaxed);
+  return fixed >= 0 ? fixed : vendor_prefetch(param_size, state_size);
+}
+
+void set_prefetch_bytes(int bytes) {
+  if (bytes < -1 || bytes > 65536)
+    throw std::invalid_argument("prefetch distance must be 0 to 65536 bytes (or -1: per vendor), got " +
+                                std::to_string(bytes));
+  g_prefetch.store(bytes, std::memory_order_relaxed);
 }
 
 void set_active_isa(const std::string& name) {
