@@ -1,15 +1,14 @@
 """Diagnostic (issue 10): is the 1000 x 64K penalty the tensors' separate allocations?
 
 Ours (AdamW) and the memory floor on (a) one flat tensor, (b) 1000 separately allocated tensors,
-(c) 1000 views of one buffer, the same elements in each; interleaved, median of 7. Prints the
+(c) 1000 views of one buffer, the same elements in each, the floor on ours' tensors; interleaved,
+median of 7. Prints the
 transparent-huge-page mode, which decides whether large allocations get 2 MiB pages.
 ``python benchmarks/diag_many_tensors.py``"""
 import torch
 
 import mps_fused_adam as mfa
-from mps_fused_adam import _cpu
-from mps_fused_adam.backends import _DTYPE_CODES
-from mps_fused_adam.contract import RULES, AdamHyper
+from mps_fused_adam.bench import _floor_fn
 from mps_fused_adam.timing import interleaved
 
 try:
@@ -35,24 +34,17 @@ def tensors(kind, dtype, count):
     return out
 
 
-def floor(kind, dtype):
-    p, g, m, v = tensors(kind, dtype, 4)
-    for t in m + v:
-        t.zero_()
-    blob = RULES["adam"].pack(AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 1))
-    args = ([t.data_ptr() for t in p], [t.data_ptr() for t in g], [[t.data_ptr() for t in m], [t.data_ptr() for t in v]],
-            [t.numel() for t in p], _DTYPE_CODES[dtype], _DTYPE_CODES[dtype], blob)
-    keep = (p, g, m, v)
-    return lambda: (keep, _cpu.step("floor", *args, torch.get_num_threads()))[1]
-
-
-def ours(kind, dtype):
+def ours_and_floor(kind, dtype):
+    """AdamW on the kind's tensors, and the memory floor on the same tensors (bench._floor_fn)."""
     (ts,) = tensors(kind, dtype, 1)
     ps = [torch.nn.Parameter(t) for t in ts]
     grads = tensors(kind, dtype, 1)[0]
     for p, g in zip(ps, grads):
         p.grad = g.mul_(1e-2)
-    return mfa.AdamW(ps, weight_decay=0.01).step
+    opt = mfa.AdamW(ps, weight_decay=0.01)
+    opt.step()
+    states = [[opt.state[p][name] for p in ps] for name in ("exp_avg", "exp_avg_sq")]
+    return opt.step, _floor_fn(ps, states, dtype, dtype)
 
 
 import os
@@ -62,8 +54,7 @@ for threads in sorted({1, min(4, os.cpu_count()), os.cpu_count()}):
     for dtype in (torch.float32, torch.bfloat16):
         c = {}
         for kind in ("flat", "separate", "views"):
-            c[f"ours {kind}"] = ours(kind, dtype)
-            c[f"floor {kind}"] = floor(kind, dtype)
+            c[f"ours {kind}"], c[f"floor {kind}"] = ours_and_floor(kind, dtype)
         t = interleaved(c, 7)
         print(f"{threads} threads, {str(dtype)[6:]}, ns/elem: " +
               ", ".join(f"{k} {v / (K * S) * 1e9:.3f}" for k, v in t.items()), flush=True)

@@ -16,3 +16,67 @@ def test_summary_picks_the_fastest_other_and_ratios():
     assert lines[2] == "| flat 64M | fp32 | 16 | 0.250 | deepspeed cpu_adam | 0.240 | 0.96x | 0.80 |"
     assert lines[3] == "| flat 64M | fp32 | 1 | 0.500 | (none) | - | - | 1.00 |"
     assert len(lines) == 4
+
+
+# The benchmarks run the memory floors on the optimizers' own tensors (bench._floor_fn), so the
+# floors must leave every value as it was, on every SIMD path, in every dtype pair, tails included.
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from conftest import DTYPE_PAIRS, pair_id  # noqa: E402
+
+
+def _positive(n: int, dtype: torch.dtype) -> torch.Tensor:
+    # No -0: x + g * 0 may turn a -0 into +0, the only value the floors may change.
+    return (torch.rand(n) + 0.5).to(dtype)
+
+
+@pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=pair_id)
+@pytest.mark.parametrize("rule", ["floor", "floor1"])
+def test_floors_keep_every_value(simd, pair, rule):
+    from mps_fused_adam.bench import _floor_fn
+    pd, sd = pair
+    params = []
+    for n in (1, 37, 4099):
+        p = torch.nn.Parameter(_positive(n, pd) * torch.where(torch.rand(n) < 0.5, -1.0, 1.0).to(pd))
+        p.grad = -_positive(n, pd)
+        params.append(p)
+    states = [[_positive(p.numel(), sd) for p in params] for _ in range(2 if rule == "floor" else 1)]
+    before = [t.clone() for t in [*params, *(p.grad for p in params), *(t for ts in states for t in ts)]]
+    _floor_fn(params, states, pd, sd, rule=rule)()
+    after = [*params, *(p.grad for p in params), *(t for ts in states for t in ts)]
+    assert all(torch.equal(a.detach().view(torch.uint8), b.detach().view(torch.uint8)) for a, b in zip(after, before))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_8bit_floor_keeps_every_value(simd, dtype):
+    import os
+    import sys
+    import mps_fused_adam as mfa
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+    from lowbit import _floor8
+    p = torch.nn.Parameter(torch.randn(5000).to(dtype))
+    p.grad = (torch.randn(5000) * 1e-2).to(dtype)
+    opt = mfa.AdamW8bit([p], min_8bit_size=1)
+    opt.step()
+    before = [p.detach().clone(), *(t.clone() for t in opt.state[p].values() if isinstance(t, torch.Tensor))]
+    _floor8(opt)()
+    after = [p.detach(), *(t for t in opt.state[p].values() if isinstance(t, torch.Tensor))]
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(after, before))
+
+
+def test_contenders_share_params_grads_and_moments():
+    """Every contender of a case reads and writes the same memory as ours (bench.py's docstring)."""
+    from mps_fused_adam.bench import _contenders, _params
+    params = _params(3, 64, torch.float32)
+    found = _contenders(params, torch.float32, torch.float32, deepspeed=False, foreach=True)
+    assert set(found) == {"ours", "floor", "torch fused", "torch foreach"}
+    ours_state = found["ours"].__self__.state
+    for name in ("torch fused", "torch foreach"):
+        other = found[name].__self__.state
+        for p in params:
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert other[p][key] is ours_state[p][key]
+    for fn in found.values():  # every contender still steps, each on the shared tensors
+        fn()
+    assert all(torch.isfinite(p).all() for p in params)

@@ -4,7 +4,9 @@
 CPU section: ours, ``torch.optim.AdamW(fused=True)``, ``torch.optim.AdamW(foreach=True)``,
 DeepSpeed's ``DeepSpeedCPUAdam`` whenever it is importable (its first use JIT-builds for a minute
 or two; ``--no-deepspeed`` leaves it out) and the memory floor (Adam's access pattern, 4 reads and
-3 in-place writes, with trivial math, in our own loop and thread pool). All contenders of a case
+3 in-place writes, with trivial math, in our own loop and thread pool). Every contender of a case
+works on the same params, grads and moments (the others' state tensors are pointed at ours): on a
+virtual machine, separately allocated tensors can sit on memory of different speed. All contenders of a case
 run interleaved, one step each in turn, and the median is kept: these machines are noisy, so only
 ratios within one run mean anything. A summary then gives, per case, ours against the fastest of
 the others and against the floor. Then the MPS section (``bench_mps``), which says "no MPS device"
@@ -24,7 +26,7 @@ import torch
 
 from . import CPUAdam, AdamW, backend_info
 from .backends import _DTYPE_CODES
-from .contract import RULES, AdamHyper
+from .contract import RULES, AdamHyper, LionHyper
 from .timing import bytes_per_elem, interleaved_rounds, ratio_spread
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -54,37 +56,63 @@ def _params(count: int, size: int, dtype: torch.dtype) -> list[torch.nn.Paramete
     return params
 
 
-def _floor_fn(params, pdtype: torch.dtype, sdtype: torch.dtype) -> Callable[[], None]:
-    """The memory floor on tensors of its own, the size and dtypes of the case's: its trivial math
-    (v = v + g, ...) would otherwise leave negative second moments, and so NaN, in the tensors the
-    real optimizers share."""
+def _floor_fn(params, states: list[list[torch.Tensor]], pdtype: torch.dtype, sdtype: torch.dtype,
+              rule: str = "floor") -> Callable[[], None]:
+    """The memory floor on the very tensors the optimizers use (``params``, their grads and
+    ``states``: one list per state): the kernel's own span loop and threads with trivial math
+    that keeps every value (rules.h, ``FloorRule``). Not on copies: on a virtual machine,
+    separately allocated tensors can sit on memory of different speed (the 2-core EPYC: a floor
+    on fresh copies ran up to 30% faster or slower than the same loop on the optimizer's tensors,
+    benchmarks/diag_placement.py), which would be measured as the kernel's."""
     from . import _cpu
-    own = [(p.detach().clone(), p.grad.clone(), torch.zeros_like(p, dtype=sdtype), torch.zeros_like(p, dtype=sdtype))
-           for p in params]
-    ptrs = ([t[0].data_ptr() for t in own], [t[1].data_ptr() for t in own],
-            [[t[2].data_ptr() for t in own], [t[3].data_ptr() for t in own]], [t[0].numel() for t in own])
+    ptrs = ([p.data_ptr() for p in params], [p.grad.data_ptr() for p in params],
+            [[t.data_ptr() for t in ts] for ts in states], [p.numel() for p in params])
     codes = (_DTYPE_CODES[pdtype], _DTYPE_CODES[sdtype])
-    # The floor takes Adam's scalar struct (and ignores it), so its call is Adam's call.
-    blob = RULES["adam"].pack(AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 1))
-    return lambda: (own, _cpu.step("floor", *ptrs, *codes, blob, torch.get_num_threads()))[1]
+    # The floor takes its rule's scalar struct and reads only a zero from it (weight_decay -
+    # weight_decay, lr - lr), so its call is the rule's call.
+    blob = (RULES["adam"].pack(AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, 1)) if rule == "floor" else
+            RULES["lion"].pack(LionHyper(lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.01)))
+    keep = (params, states)
+    return lambda: (keep, _cpu.step(rule, *ptrs, *codes, blob, torch.get_num_threads()))[1]
+
+
+def share_states(opt: torch.optim.Optimizer, params, states: dict[str, list[torch.Tensor]]) -> None:
+    """Point another optimizer's state tensors (after its first step made them) at ours, so that
+    every contender reads and writes the same memory (see _floor_fn); each keeps its own step."""
+    for i, p in enumerate(params):
+        st = opt.state[p]
+        for name, ts in states.items():
+            if st[name].dtype != ts[i].dtype or st[name].shape != ts[i].shape:
+                raise ValueError(f"{type(opt).__name__} state {name!r} is {st[name].dtype} {tuple(st[name].shape)}; "
+                                 f"ours is {ts[i].dtype} {tuple(ts[i].shape)}")
+            st[name] = ts[i]
 
 
 def _contenders(params, pdtype, sdtype, deepspeed: bool, foreach: bool = True) -> dict[str, Callable[[], None]]:
+    """Ours, the floor and the others, all on the same params, grads and moments."""
     ours = CPUAdam(params, fp32_optimizer_states=True) if sdtype != pdtype else AdamW(params, weight_decay=0.01)
-    found: dict[str, Callable[[], None]] = {OURS: ours.step, FLOOR: _floor_fn(params, pdtype, sdtype)}
+    ours.step()  # makes the moments the others then share
+    moments = {name: [ours.state[p][name] for p in params] for name in ("exp_avg", "exp_avg_sq")}
+    found: dict[str, Callable[[], None]] = {OURS: ours.step,
+                                            FLOOR: _floor_fn(params, list(moments.values()), pdtype, sdtype)}
+    others: dict[str, torch.optim.Optimizer] = {}
     if sdtype == pdtype:  # torch keeps moments in the param dtype only
-        found["torch fused"] = torch.optim.AdamW(params, weight_decay=0.01, fused=True).step
+        others["torch fused"] = torch.optim.AdamW(params, weight_decay=0.01, fused=True)
         if foreach:
-            found["torch foreach"] = torch.optim.AdamW(params, weight_decay=0.01, foreach=True).step
+            others["torch foreach"] = torch.optim.AdamW(params, weight_decay=0.01, foreach=True)
     if deepspeed:
         try:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
-            found["deepspeed cpu_adam"] = DeepSpeedCPUAdam(
-                params, weight_decay=0.01, fp32_optimizer_states=sdtype == F32).step
+            others["deepspeed cpu_adam"] = DeepSpeedCPUAdam(params, weight_decay=0.01,
+                                                            fp32_optimizer_states=sdtype == F32)
         except ImportError:
             pass  # not installed: nothing to compare with
         except Exception as exc:  # report and go on: DeepSpeed is a contender, not a requirement
             print(f"  (DeepSpeedCPUAdam unavailable: {exc!r})")
+    for name, opt in others.items():
+        opt.step()
+        share_states(opt, params, moments)
+        found[name] = opt.step
     return found
 
 

@@ -5,7 +5,8 @@ case times, interleaved (timing.py): ours (the optimizer classes ``Lion``/``Adag
 states of bf16 params, which only DeepSpeed's CPU ops ask for, one backend call as those ops make),
 the memory floor of that access pattern (the kernel's own span loop and thread pool with trivial
 math: rule ``floor1``), and torch's ``Adagrad`` (``foreach`` and ``fused``) and lion_pytorch's
-``Lion`` where installed. Only ratios within one run mean anything on a shared machine.
+``Lion`` where installed, all on the same params, grads and state tensors (bench.py says why).
+Only ratios within one run mean anything on a shared machine.
 """
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from typing import Callable, Optional
 import torch
 
 from . import Adagrad, Lion, backend_info
-from .backends import _DTYPE_CODES, get_backend
-from .bench import DTYPE_CASES, HEADER, Row, _params, _print_rows
+from .backends import get_backend
+from .bench import DTYPE_CASES, HEADER, Row, _floor_fn, _params, _print_rows, share_states
 from .contract import RULES, AdagradHyper, LionHyper
 from .timing import bytes_per_elem, interleaved
 
@@ -26,44 +27,39 @@ HYPER = {"lion": LionHyper(lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.01),
          "adagrad": AdagradHyper(lr=1e-2, eps=1e-10, weight_decay=0.0, step=1)}
 
 
-def _floor1(params, pdtype, sdtype) -> Callable[[], None]:
-    """The memory floor on tensors of its own, the size and dtypes of the case's: its trivial math
-    (s = s + g, ...) would otherwise leave negative sums of squares, and so NaN, in the tensors the
-    real optimizers share (as bench._floor_fn does for Adam)."""
-    from . import _cpu
-    own = [(p.detach().clone(), p.grad.clone(), torch.zeros_like(p, dtype=sdtype)) for p in params]
-    ptrs = ([t[0].data_ptr() for t in own], [t[1].data_ptr() for t in own], [[t[2].data_ptr() for t in own]],
-            [t[0].numel() for t in own])
-    blob = RULES["lion"].pack(HYPER["lion"])  # floor1 takes Lion's struct and ignores it
-    return lambda: (own, _cpu.step("floor1", *ptrs, _DTYPE_CODES[pdtype], _DTYPE_CODES[sdtype], blob,
-                                   torch.get_num_threads()))[1]
-
-
 def _contenders(rule: str, params, pdtype, sdtype) -> dict[str, Callable[[], None]]:
+    """Ours, the floor and the others, all on the same params, grads and state (bench._floor_fn)."""
     found: dict[str, Callable[[], None]] = {}
+    name = RULES[rule].states[0]
     if sdtype == pdtype:
         ours = Lion(params, lr=1e-4, weight_decay=0.01) if rule == "lion" else Adagrad(params)
-        ours.step()  # creates the state
+        ours.step()  # creates the state the others then share
+        states = [ours.state[p][name] for p in params]
         found["ours"] = ours.step
     else:
         states = [torch.zeros_like(p, dtype=sdtype) for p in params]
         backend, grads = get_backend("cpu"), [p.grad for p in params]
         found["ours"] = lambda: backend.update(rule, params, grads, [states], HYPER[rule])
-    found["floor"] = _floor1(params, pdtype, sdtype)
+    found["floor"] = _floor_fn(params, [states], pdtype, sdtype, rule="floor1")
+    others: dict[str, torch.optim.Optimizer] = {}
     if sdtype == pdtype and rule == "adagrad":
-        found["torch foreach"] = torch.optim.Adagrad(params, foreach=True).step
+        others["torch foreach"] = torch.optim.Adagrad(params, foreach=True)
         try:
             fused = torch.optim.Adagrad(params, fused=True)
             fused.step()
-            found["torch fused"] = fused.step
+            others["torch fused"] = fused
         except Exception as exc:  # a torch without a CPU fused Adagrad: report and go on
             print(f"  (torch fused Adagrad unavailable: {exc!r})")
     if sdtype == pdtype and rule == "lion":
         try:
             import lion_pytorch
-            found["lion_pytorch"] = lion_pytorch.Lion(params, lr=1e-4, weight_decay=0.01).step
+            others["lion_pytorch"] = lion_pytorch.Lion(params, lr=1e-4, weight_decay=0.01)
         except ImportError:
             pass
+    for label, opt in others.items():
+        opt.step()
+        share_states(opt, params, {name: states})  # torch's Adagrad and lion_pytorch use our key names
+        found[label] = opt.step
     return found
 
 

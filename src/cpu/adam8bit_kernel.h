@@ -226,7 +226,9 @@ void adam8bit_blocks(const Q8Job& job, int64_t b0, int64_t b1) {
 }
 
 // The memory floor of the 8-bit step (bench): per block, the same bytes read and written
-// (param, grad, both code arrays, both scales) with trivial math.
+// (param, grad, both code arrays, both scales) with trivial math that keeps every value (x + g * 0,
+// codes + 0; the zeros come from the scalars, so nothing is dropped), so the benchmark can run it
+// on the optimizer's own tensors (see FloorRule in rules.h).
 template <class PS>
 void adam8bit_floor_blocks(const Q8Job& job, int64_t b0, int64_t b1) {
   using P = typename ParamStorage<PS>::T;
@@ -237,16 +239,28 @@ void adam8bit_floor_blocks(const Q8Job& job, int64_t b0, int64_t b1) {
   float* const absmax1 = job.absmax1;
   float* const absmax2 = job.absmax2;
   const int64_t n = job.n;
+  const float zero = job.s.weight_decay - job.s.weight_decay;
+  const F zv = Vec::set1(zero);
+  const uint8_t zc = uint8_t(int(zero));  // from the float: an integer x - x would fold to 0
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t lo = b * kQ8Block;
     const int64_t hi = n - lo < kQ8Block ? n : lo + kQ8Block;
     int64_t i = lo;
-    for (; i + W <= hi; i += W) Vec::store(param + i, Vec::load(param + i) + Vec::load(grad + i));
-    for (; i < hi; ++i) param[i] = grad[i];
-    for (i = lo; i < hi; ++i) codes1[i] = uint8_t(codes1[i] + 1u);
-    for (i = lo; i < hi; ++i) codes2[i] = uint8_t(codes2[i] + 1u);
-    absmax1[b] = absmax1[b] + 1.0f;
-    absmax2[b] = absmax2[b] + 1.0f;
+    for (; i + W <= hi; i += W) Vec::store(param + i, Vec::load(param + i) + Vec::load(grad + i) * zv);
+    if (i < hi) {  // the short last vector, through zero-padded copies as in the step
+      P pb[W] = {}, gb[W] = {};
+      const int64_t r = hi - i;
+      for (int64_t k = 0; k < r; ++k) {
+        pb[k] = param[i + k];
+        gb[k] = grad[i + k];
+      }
+      Vec::store(pb, Vec::load(pb) + Vec::load(gb) * zv);
+      for (int64_t k = 0; k < r; ++k) param[i + k] = pb[k];
+    }
+    for (i = lo; i < hi; ++i) codes1[i] = uint8_t(codes1[i] + zc);
+    for (i = lo; i < hi; ++i) codes2[i] = uint8_t(codes2[i] + zc);
+    absmax1[b] = absmax1[b] + zero;
+    absmax2[b] = absmax2[b] + zero;
   }
 }
 

@@ -74,27 +74,36 @@ struct AdagradRule {
   }
 };
 
-// The memory floor of one-state rules (Lion, Adagrad): 3 reads, 2 in-place writes, trivial math.
+// The memory floor of one-state rules (Lion, Adagrad): 3 reads, 2 in-place writes, trivial math
+// that leaves every value as it was (x + g * 0: only a -0 may become +0), so the benchmark can run
+// it on the very tensors the optimizers use: on a virtual machine, separately allocated tensors
+// can sit on memory of different speed. The zero comes from the scalars (lr - lr, finite in the
+// benchmark), so the compiler cannot drop the arithmetic, nor the stores with it.
 struct Floor1Rule {
   static constexpr int kStates = 1;
   using Scalars = LionScalars;
   using F = Vec::F;
-  explicit Floor1Rule(const Scalars&) {}
+  F zero;
+  explicit Floor1Rule(const Scalars& s) : zero(Vec::set1(s.lr - s.lr)) {}
   inline void operator()(F& p, F g, F* s) const {
-    s[0] = s[0] + g;
-    p = p + s[0];
+    const F t = g * zero;
+    s[0] = s[0] + t;
+    p = p + t;
   }
 };
 
-// The memory floor: Adam's access pattern (4 reads, 3 in-place writes) with trivial math.
+// The memory floor: Adam's access pattern (4 reads, 3 in-place writes) with the same trivial,
+// value-keeping math (Floor1Rule).
 struct FloorRule {
   static constexpr int kStates = 2;
   using Scalars = AdamScalars;
   using F = Vec::F;
-  explicit FloorRule(const Scalars&) {}
+  F zero;
+  explicit FloorRule(const Scalars& s) : zero(Vec::set1(s.weight_decay - s.weight_decay)) {}
   inline void operator()(F& p, F g, F* s) const {
-    s[0] = s[0] + g;
-    s[1] = s[1] + g;
-    p = p + s[0];
+    const F t = g * zero;
+    s[0] = s[0] + t;
+    s[1] = s[1] + t;
+    p = p + t;
   }
 };
