@@ -126,6 +126,16 @@ def _floor8(opt) -> Callable[[], None]:
     return lambda: (keep, _cpu.adam8bit_step(*args, torch.get_num_threads(), floor=True))[1]
 
 
+def _share_tensors(opt, first, p) -> None:
+    """Point ``opt``'s state tensors for ``p`` at ``first``'s where both have the key (same dtype
+    and shape), so both steps read and write the same memory (bench._floor_fn says why)."""
+    mine, theirs = opt.state[p], first.state[p]
+    for key, t in theirs.items():
+        if (isinstance(t, torch.Tensor) and key != "step" and isinstance(mine.get(key), torch.Tensor)
+                and mine[key].dtype == t.dtype and mine[key].shape == t.shape):
+            mine[key] = t
+
+
 def speed(size: int, repeats: int, threads: int) -> list[str]:
     def flat(dtype):
         torch.manual_seed(0)
@@ -135,29 +145,39 @@ def speed(size: int, repeats: int, threads: int) -> list[str]:
 
     torch.set_num_threads(threads)
     contenders, notes = {}, []
-    for name, dtype, make in [
-        ("torch AdamW(fused=True) fp32", torch.float32, lambda ps: torch.optim.AdamW(ps, fused=True)),
-        ("ours AdamW fp32", torch.float32, lambda ps: mfa.AdamW(ps)),
-        ("ours AdamW8bit fp32", torch.float32, lambda ps: mfa.AdamW8bit(ps)),
-        ("ours AdamW bf16 (round to nearest)", torch.bfloat16, lambda ps: mfa.AdamW(ps)),
-        ("ours AdamW bf16 + stochastic rounding", torch.bfloat16, lambda ps: mfa.AdamW(ps, bf16_stochastic_round=True)),
-        ("ours AdamW8bit bf16", torch.bfloat16, lambda ps: mfa.AdamW8bit(ps)),
-        ("ours AdamW8bit bf16 + stochastic rounding", torch.bfloat16,
+    # One param per dtype, shared by every contender of that dtype; the optimizers of one state
+    # layout also share their state tensors: all of them then work on the same memory.
+    shared = {torch.float32: flat(torch.float32), torch.bfloat16: flat(torch.bfloat16)}
+    first_of: dict = {}
+    for name, dtype, layout, make in [
+        ("torch AdamW(fused=True) fp32", torch.float32, "fp32", lambda ps: torch.optim.AdamW(ps, fused=True)),
+        ("ours AdamW fp32", torch.float32, "fp32", lambda ps: mfa.AdamW(ps)),
+        ("ours AdamW8bit fp32", torch.float32, "8bit fp32", lambda ps: mfa.AdamW8bit(ps)),
+        ("ours AdamW bf16 (round to nearest)", torch.bfloat16, "bf16", lambda ps: mfa.AdamW(ps)),
+        ("ours AdamW bf16 + stochastic rounding", torch.bfloat16, "bf16",
+         lambda ps: mfa.AdamW(ps, bf16_stochastic_round=True)),
+        ("ours AdamW8bit bf16", torch.bfloat16, "8bit bf16", lambda ps: mfa.AdamW8bit(ps)),
+        ("ours AdamW8bit bf16 + stochastic rounding", torch.bfloat16, "8bit bf16",
          lambda ps: mfa.AdamW8bit(ps, bf16_stochastic_round=True)),
     ]:
-        opt = make([flat(dtype)])
+        p = shared[dtype]
+        opt = make([p])
         opt.step()  # makes the state (the floor's tensors, for the 8-bit ones)
+        if layout in first_of:
+            _share_tensors(opt, first_of[layout], p)
+        else:
+            first_of[layout] = opt
         contenders[name] = opt.step
         if name in ("ours AdamW8bit fp32", "ours AdamW8bit bf16"):
             contenders[FLOOR8 + name[-5:]] = _floor8(opt)
     try:
         import bitsandbytes as bnb
-        contenders["bitsandbytes AdamW8bit fp32"] = bnb.optim.AdamW8bit([flat(torch.float32)]).step
+        contenders["bitsandbytes AdamW8bit fp32"] = bnb.optim.AdamW8bit([shared[torch.float32]]).step
     except Exception as exc:
         notes.append(f"bitsandbytes: not importable ({type(exc).__name__})")
     try:
         from torchao.optim import AdamW8bit as AoAdamW8bit
-        contenders["torchao AdamW8bit fp32"] = AoAdamW8bit([flat(torch.float32)]).step
+        contenders["torchao AdamW8bit fp32"] = AoAdamW8bit([shared[torch.float32]]).step
     except Exception as exc:
         notes.append(f"torchao: not importable ({type(exc).__name__}: {exc})")
     times = interleaved(contenders, repeats)
