@@ -15,7 +15,6 @@ storage back for real: widen to fp32, the fp32 inverse, round to storage. These 
 """
 from __future__ import annotations
 
-import os
 import sys
 import textwrap
 from pathlib import Path

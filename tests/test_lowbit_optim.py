@@ -70,7 +70,7 @@ def test_sr_option_reproducible_seeded_and_in_state_dict(cls):
             p.grad = torch.randn(5000, generator=torch.Generator().manual_seed(i)).bfloat16()
             opt.step()
         return p, opt
-    (p1, o1), (p2, o2) = run(), run()
+    (p1, o1), (p2, _) = run(), run()
     assert torch.equal(p1.view(torch.int16), p2.view(torch.int16))
     seed = o1.state[p1]["sr_seed"]
     assert isinstance(seed, int) and o1.state_dict()["state"][0]["sr_seed"] == seed
@@ -286,7 +286,6 @@ def test_non_contiguous_param_and_via_cpu_path(monkeypatch):
         ob.step()
     assert not p.is_contiguous() and torch.equal(p.detach(), q.detach())
     r = torch.nn.Parameter(q.detach().clone())
-    ref = [r.detach().clone(), {k: v.clone() for k, v in ob.state[q].items() if isinstance(v, torch.Tensor)}]
     monkeypatch.setattr(reference_lowbit, "_needs_cpu", lambda t: t.data_ptr() == r.data_ptr())
     g = torch.randn(80, 64)
     st = ob.state[q]
