@@ -6,7 +6,9 @@
 //
 // A handle is a new at::Tensor sharing the tensor's TensorImpl, so it sees every later change of
 // that tensor's metadata (`.data` assignment, `resize_`, `t_`) and keeps the tensor alive until
-// released. Used with the GIL held only.
+// released. enable(), alloc() and release() need the GIL; meta() and address() are plain reads
+// through torch's C functions, which pool threads make while the GIL holder waits for them
+// (step_plan.cpp), each on tensors of its own.
 #pragma once
 
 #include <Python.h>
