@@ -230,9 +230,19 @@ def test_prefetch_distance_choice_and_overrides():
         assert _cpu.prefetch_bytes(4, 4) == 256  # a rejected value changes nothing
     finally:
         _cpu.set_prefetch_bytes(None)
-    code = "from mps_fused_adam import _cpu; print(_cpu.prefetch_bytes(4, 4), _cpu.prefetch_bytes(2, 2))"
+    code = ("import warnings\nfrom mps_fused_adam import _cpu\nfrom mps_fused_adam.backends import CPUBackend\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    CPUBackend()\n"
+            "print(_cpu.prefetch_bytes(4, 4), _cpu.prefetch_bytes(2, 2), len(w))\n"
+            "print(*(str(x.message) for x in w))")
     default = f"{_cpu.prefetch_bytes(4, 4)} {_cpu.prefetch_bytes(2, 2)}"
-    for value, expected in (("128", "128 128"), ("0", "0 0"), ("lots", default), ("-5", default)):
+    for value, expected, warned in (("128", "128 128", 0), ("0", "0 0", 0), ("65536", "65536 65536", 0),
+                                    ("lots", default, 1), ("-5", default, 1), ("+64", default, 1),
+                                    ("65537", default, 1)):
         env = dict(os.environ, MPS_FUSED_ADAM_PREFETCH=value)
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-        assert out.stdout.split() == expected.split(), value
+        first, message = (out.stdout.splitlines() + [""])[:2]
+        assert first.split() == [*expected.split(), str(warned)], value
+        if warned:
+            assert f"MPS_FUSED_ADAM_PREFETCH={value!r} is not a byte count from 0 to 65536" in message

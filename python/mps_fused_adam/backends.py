@@ -156,6 +156,11 @@ class CPUBackend:
                 f"is unknown (known: {', '.join(KNOWN_SIMD_PATHS)})"
             warnings.warn(f"mps_fused_adam: MPS_FUSED_ADAM_SIMD={wanted!r} {why} "
                           f"(supported here: {', '.join(_cpu.simd_paths())}); using {self.simd}", RuntimeWarning)
+        prefetch = os.environ.get("MPS_FUSED_ADAM_PREFETCH")
+        if prefetch and not (prefetch.isascii() and prefetch.isdigit() and int(prefetch) <= 65536):
+            # The extension ignores such a value (src/cpu/dispatch.cpp); say so instead of silently.
+            warnings.warn(f"mps_fused_adam: MPS_FUSED_ADAM_PREFETCH={prefetch!r} is not a byte count from 0 to "
+                          f"65536; using the per-CPU-vendor prefetch distance", RuntimeWarning)
 
     def update(self, rule: str, params, grads, states, hp, sr_keys=None) -> None:
         """``sr_keys``: for bf16 params, one ``lowbit.sr_key`` per param to store them by

@@ -81,12 +81,16 @@ static int vendor_prefetch(int param_size, int state_size) {
   return param_size == 2 ? 512 : 0;
 }
 
+// Digits only, 0 to 65536; anything else keeps the per-vendor choice (backends.py warns).
 static int parse_prefetch_env() {
   const char* env = std::getenv("MPS_FUSED_ADAM_PREFETCH");
   if (!env || !*env) return -1;
-  char* end = nullptr;
-  long v = std::strtol(env, &end, 10);
-  return (*end == 0 && v >= 0 && v <= 65536) ? int(v) : -1;
+  long v = 0;
+  for (const char* c = env; *c; ++c) {
+    if (*c < '0' || *c > '9' || v > 65536) return -1;
+    v = v * 10 + (*c - '0');
+  }
+  return v <= 65536 ? int(v) : -1;
 }
 
 static std::atomic<int> g_prefetch{parse_prefetch_env()};  // -1: the per-vendor choice
