@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import mps_fused_adam as mfa  # noqa: E402
 from mps_fused_adam import lowbit  # noqa: E402
+from mps_fused_adam.bench import share_states  # noqa: E402
 from mps_fused_adam.contract import AdamHyper  # noqa: E402
 from mps_fused_adam.optim8bit import state_bytes_per_param  # noqa: E402
 from mps_fused_adam.timing import interleaved  # noqa: E402
@@ -126,16 +127,6 @@ def _floor8(opt) -> Callable[[], None]:
     return lambda: (keep, _cpu.adam8bit_step(*args, torch.get_num_threads(), floor=True))[1]
 
 
-def _share_tensors(opt, first, p) -> None:
-    """Point ``opt``'s state tensors for ``p`` at ``first``'s where both have the key (same dtype
-    and shape), so both steps read and write the same memory (bench._floor_fn says why)."""
-    mine, theirs = opt.state[p], first.state[p]
-    for key, t in theirs.items():
-        if (isinstance(t, torch.Tensor) and key != "step" and isinstance(mine.get(key), torch.Tensor)
-                and mine[key].dtype == t.dtype and mine[key].shape == t.shape):
-            mine[key] = t
-
-
 def speed(size: int, repeats: int, threads: int) -> list[str]:
     def flat(dtype):
         torch.manual_seed(0)
@@ -164,7 +155,9 @@ def speed(size: int, repeats: int, threads: int) -> list[str]:
         opt = make([p])
         opt.step()  # makes the state (the floor's tensors, for the 8-bit ones)
         if layout in first_of:
-            _share_tensors(opt, first_of[layout], p)
+            theirs = first_of[layout].state[p]
+            share_states(opt, [p], {k: [t] for k, t in theirs.items()
+                                    if isinstance(t, torch.Tensor) and k != "step"})
         else:
             first_of[layout] = opt
         contenders[name] = opt.step

@@ -40,6 +40,20 @@ def cannot_run(reason: str) -> None:
     pytest.skip(reason)
 
 
+def require_bitsandbytes():
+    """bitsandbytes, or a skip saying why (a test dependency where it installs); a failure where
+    MFA_REQUIRE_BITSANDBYTES=1 (CI installs bitsandbytes==0.50.2)."""
+    try:
+        import bitsandbytes
+        import bitsandbytes.functional  # noqa: F401  (its own load errors show here)
+    except Exception as exc:  # ImportError, or its own load errors on unsupported platforms
+        msg = f"bitsandbytes not importable ({exc!r}); CI installs bitsandbytes==0.50.2"
+        if os.environ.get("MFA_REQUIRE_BITSANDBYTES"):
+            pytest.fail(msg + " (MFA_REQUIRE_BITSANDBYTES is set)")
+        pytest.skip(msg)
+    return bitsandbytes
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)

@@ -3,7 +3,6 @@ statements: brute-force nearest codes, exact-arithmetic Adam, the scalar hash, b
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -13,17 +12,12 @@ from mps_fused_adam.contract import AdamHyper
 from mps_fused_adam.reference_lowbit import (block_absmax, dequantize, quantize, reference_adam8bit_,
                                              reference_adam_sr_)
 
+from conftest import require_bitsandbytes
+
 
 def bnb_functional():
-    """bitsandbytes.functional, or a skip saying why (a test dependency where it installs)."""
-    try:
-        import bitsandbytes.functional as F
-    except Exception as exc:  # ImportError, or its own load errors on unsupported platforms
-        msg = f"bitsandbytes not importable ({exc!r}); CI installs bitsandbytes==0.50.2"
-        if os.environ.get("MFA_REQUIRE_BITSANDBYTES"):
-            pytest.fail(msg + " (MFA_REQUIRE_BITSANDBYTES is set)")
-        pytest.skip(msg)
-    return F
+    """bitsandbytes.functional, or a skip saying why (conftest.require_bitsandbytes)."""
+    return require_bitsandbytes().functional
 
 
 # ---- maps and quantization --------------------------------------------------------------------

@@ -3,7 +3,6 @@ conversion (against bitsandbytes itself where it is importable)."""
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -14,16 +13,12 @@ from mps_fused_adam.contract import AdamHyper
 from mps_fused_adam.optim8bit import state_bytes_per_param
 from mps_fused_adam.reference_lowbit import dequantize, reference_adam8bit_
 
+from conftest import require_bitsandbytes
+
 
 def bnb_optim():
-    try:
-        import bitsandbytes as bnb
-    except Exception as exc:
-        msg = f"bitsandbytes not importable ({exc!r}); CI installs bitsandbytes==0.50.2"
-        if os.environ.get("MFA_REQUIRE_BITSANDBYTES"):
-            pytest.fail(msg + " (MFA_REQUIRE_BITSANDBYTES is set)")
-        pytest.skip(msg)
-    return bnb.optim
+    """bitsandbytes.optim, or a skip saying why (conftest.require_bitsandbytes)."""
+    return require_bitsandbytes().optim
 
 
 # ---- stochastic rounding ----------------------------------------------------------------------
