@@ -216,6 +216,33 @@ def test_prefetch_distance_changes_speed_only(pair):
         _cpu.set_prefetch_bytes(None)
 
 
+@pytest.mark.parametrize("sr", [False, True], ids=["nearest", "stochastic"])
+def test_bf16_pairs_change_speed_only(simd, sr):
+    """The even/odd-lane path of bf16 params and states (x86) moves no bit: on and off both match
+    the reference, rounding to nearest and stochastically, for sizes that end in a pair, a single
+    vector and a short tail."""
+    from mps_fused_adam import lowbit
+    from mps_fused_adam.reference_lowbit import reference_adam_sr_
+    assert _cpu.bf16_pairs()  # the default
+    try:
+        for on in (False, True):
+            _cpu.set_bf16_pairs(on)
+            for n in (64, 64 + 16, 1000 + 7):
+                tensors = make_tensors(n, torch.bfloat16, torch.bfloat16)
+                if not sr:
+                    assert_identical(*run_both(tensors, 2))
+                    continue
+                ours, ref = [t.clone() for t in tensors], [t.clone() for t in tensors]
+                for step in (1, 2):
+                    hp = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05, step=step)
+                    key = lowbit.sr_key(5, step)
+                    CPUBackend().update("adam", [ours[0]], [ours[1]], [[ours[2]], [ours[3]]], hp, sr_keys=[key])
+                    reference_adam_sr_(ref[0], ref[1], ref[2], ref[3], hp, key)
+                assert_identical(ours, ref)
+    finally:
+        _cpu.set_bf16_pairs(True)
+
+
 def test_prefetch_distance_choice_and_overrides():
     import os
     import subprocess

@@ -1,9 +1,16 @@
-"""The arm64 NEON build of the CPU kernel, cross-compiled and run under qemu-aarch64, against the
-scalar build, bit for bit. (The x86 SIMD builds run natively in test_cpu_kernel.py.)"""
+"""The SIMD builds of the CPU kernel against the scalar build, bit for bit, in a native harness
+(tests/native/isa_parity.cpp): arm64 NEON cross-compiled and run under qemu-aarch64, and each x86
+build the CPU here runs natively. The harness reaches what the Python API cannot, such as
+stochastic rounding at element indices across 2^32. (The x86 builds also run through the
+extension in test_cpu_kernel.py.)"""
 from __future__ import annotations
 
+import platform
+import shutil
 import subprocess
 from pathlib import Path
+
+import pytest
 
 from conftest import require_tool
 
@@ -20,4 +27,45 @@ def test_neon_matches_scalar_under_qemu(tmp_path):
     run = subprocess.run([qemu, str(exe)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "neon vs scalar" in run.stdout
+    assert " 0 failed" in run.stdout and " 0 passed" not in run.stdout, run.stdout
+
+
+# cmake/cpu_adam.cmake's flags per x86 build, and the /proc/cpuinfo flags each needs.
+X86_BUILDS = {
+    "avx2": (["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"}),
+    "avx512": (["-mavx512f", "-mavx2", "-mfma", "-mf16c"], {"avx512f", "avx2", "fma", "f16c"}),
+    "avx512bf16": (["-mavx512f", "-mavx512bf16", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mavx2", "-mfma",
+                    "-mf16c"], {"avx512f", "avx512_bf16", "avx512dq", "avx512vl", "avx512bw", "avx2", "fma", "f16c"}),
+}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
+
+
+@pytest.mark.parametrize("isa", list(X86_BUILDS))
+def test_x86_build_matches_scalar_natively(tmp_path, isa):
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"an x86-64 build; this machine is {platform.machine()}")
+    flags, needs = X86_BUILDS[isa]
+    missing = needs - _cpu_flags()
+    if missing:
+        pytest.skip(f"this CPU lacks {sorted(missing)}, which the {isa} build needs")
+    cxx = shutil.which("g++") or shutil.which("c++") or pytest.skip("no C++ compiler")
+    base = [cxx, *[f for f in FLAGS if f != "-static"], f"-I{SRC}"]
+    objs = []
+    for src, extra in ((ROOT / "tests/native/isa_parity.cpp", [f"-DMFA_NATIVE_NS=isa_{isa}"]),
+                       (SRC / "adam_scalar.cpp", []), (SRC / f"adam_{isa}.cpp", flags)):
+        obj = tmp_path / (src.stem + ".o")
+        subprocess.run([*base, *extra, "-c", str(src), "-o", str(obj)], check=True)
+        objs.append(str(obj))
+    exe = tmp_path / "isa_parity"
+    subprocess.run([cxx, *objs, "-o", str(exe)], check=True)
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"{isa} vs scalar" in run.stdout
     assert " 0 failed" in run.stdout and " 0 passed" not in run.stdout, run.stdout

@@ -9,29 +9,52 @@
 // Param storage: P is the storage type, except bf16sr, which is bf16 in memory and stores by
 // stochastic rounding (lowbit.py). The random bits come from a plain loop over the W lanes that
 // the compiler vectorizes for each ISA's flags; the result does not depend on the ISA.
+// store_pair is the inverse of Vec::load_pair (the bf16 pair path of span_kernel below).
 template <class P> struct ParamStorage {
   using T = P;
   static inline void store(T* dst, typename Vec::F x, uint32_t, int64_t) { Vec::store(dst, x); }
+  template <class V = Vec>  // V: looked up only where the pair path is built
+  static inline void store_pair(T* dst, typename V::F even, typename V::F odd, uint32_t, int64_t) {
+    V::store_pair(dst, even, odd);
+  }
 };
+// lowbit.py's hash of one element index under a key: the top 16 bits are the random bits that
+// round one value stochastically (the lane loops below; the AVX-512 code computes the same).
+inline uint32_t sr_hash(uint32_t key, uint64_t ix) {
+  uint32_t h = key ^ (uint32_t(ix) * 0x9E3779B9u) ^ (uint32_t(ix >> 32) * 0x85EBCA77u);
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  return h ^ (h >> 16);
+}
+// The bf16 bits of fp32 bits u rounded up with probability proportional to the distance (the
+// random bits are added below the kept ones); any NaN becomes torch's 0x7FC0.
+inline uint16_t sr_round(uint32_t u, uint32_t h) {
+  return uint16_t((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : (u + (h >> 16)) >> 16);
+}
 template <> struct ParamStorage<bf16sr> {
   using T = bf16;
 #if defined(MFA_ISA_AVX512)
-  // AVX-512: the same hash on 16 lanes in zmm registers (GCC's auto-vectorizer stops at 256 bits).
-  static inline void store(T* dst, __m512 x, uint32_t key, int64_t index) {
-    const uint32_t lo0 = uint32_t(uint64_t(index)), hi0 = uint32_t(uint64_t(index) >> 32);
+  // AVX-512: the same hash on 16 lanes in zmm registers (GCC's auto-vectorizer stops at 256 bits),
+  // for the element indices first + stride * lane, lane 0 to 15, stride 1 or 2; fmix32's last
+  // step, h ^= h >> 16, is left out: it leaves the top 16 bits (the random bits) unchanged.
+  static inline __m512i hash(uint32_t key, int64_t first, int stride) {
+    const uint32_t lo0 = uint32_t(uint64_t(first)), hi0 = uint32_t(uint64_t(first) >> 32);
     __m512i h;
-    if (lo0 <= 0xFFFFFFFFu - 15u) {
+    if (lo0 <= 0xFFFFFFFFu - 15u * uint32_t(stride)) {
       // (lo0 + k) * C is lo0 * C + k * C modulo 2^32: one add per vector instead of a multiply,
       // and the high word is the same in every lane, so its product folds into the key.
-      const __m512i kc = _mm512_setr_epi32(0, int(0x9E3779B9u), int(0x3C6EF372u), int(0xDAA66D2Bu), int(0x78DDE6E4u),
-                                           int(0x1715609Du), int(0xB54CDA56u), int(0x5384540Fu), int(0xF1BBCDC8u),
-                                           int(0x8FF34781u), int(0x2E2AC13Au), int(0xCC623AF3u), int(0x6A99B4ACu),
-                                           int(0x08D12E65u), int(0xA708A81Eu), int(0x454021D7u));
+      __m512i kc = _mm512_setr_epi32(0, int(0x9E3779B9u), int(0x3C6EF372u), int(0xDAA66D2Bu), int(0x78DDE6E4u),
+                                     int(0x1715609Du), int(0xB54CDA56u), int(0x5384540Fu), int(0xF1BBCDC8u),
+                                     int(0x8FF34781u), int(0x2E2AC13Au), int(0xCC623AF3u), int(0x6A99B4ACu),
+                                     int(0x08D12E65u), int(0xA708A81Eu), int(0x454021D7u));
+      if (stride == 2) kc = _mm512_add_epi32(kc, kc);
       h = _mm512_xor_si512(_mm512_set1_epi32(int(key ^ (hi0 * 0x85EBCA77u))),
                            _mm512_add_epi32(_mm512_set1_epi32(int(lo0 * 0x9E3779B9u)), kc));
     } else {
-      const __m512i lo = _mm512_add_epi32(_mm512_set1_epi32(int(lo0)),
-                                          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+      const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      const __m512i lo = _mm512_add_epi32(_mm512_set1_epi32(int(lo0)), _mm512_mullo_epi32(lane, _mm512_set1_epi32(stride)));
       // Lanes whose low word wrapped past 2^32 belong to the next high word.
       const __mmask16 wrap = _mm512_cmplt_epu32_mask(lo, _mm512_set1_epi32(int(lo0)));
       const __m512i hi = _mm512_mask_add_epi32(_mm512_set1_epi32(int(hi0)), wrap, _mm512_set1_epi32(int(hi0)),
@@ -43,10 +66,15 @@ template <> struct ParamStorage<bf16sr> {
     h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
     h = _mm512_mullo_epi32(h, _mm512_set1_epi32(int(0x85EBCA6Bu)));
     h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
-    h = _mm512_mullo_epi32(h, _mm512_set1_epi32(int(0xC2B2AE35u)));
-    // fmix32's last step, h ^= h >> 16, leaves the top 16 bits (the random bits) unchanged.
-    __m512i r = _mm512_add_epi32(_mm512_castps_si512(x), _mm512_srli_epi32(h, 16));
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+    return _mm512_mullo_epi32(h, _mm512_set1_epi32(int(0xC2B2AE35u)));
+  }
+  // 32-bit words whose high halves are x's stochastically rounded bf16 bits (sr_round).
+  static inline __m512i add_random(__m512 x, __m512i h) {
+    const __m512i r = _mm512_add_epi32(_mm512_castps_si512(x), _mm512_srli_epi32(h, 16));
+    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+  }
+  static inline void store(T* dst, __m512 x, uint32_t key, int64_t index) {
+    const __m512i r = add_random(x, hash(key, index, 1));
 #if defined(__AVX512BW__)
     // The high halves of the 16 words in one permute (vpermw) instead of a shift and a narrowing.
     const __m512i odd = _mm512_setr_epi32(0x00030001, 0x00070005, 0x000B0009, 0x000F000D, 0x00130011, 0x00170015,
@@ -54,6 +82,17 @@ template <> struct ParamStorage<bf16sr> {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_castsi512_si256(_mm512_permutexvar_epi16(odd, r)));
 #else
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+#endif
+  }
+  template <class V = Vec>
+  static inline void store_pair(T* dst, __m512 even, __m512 odd, uint32_t key, int64_t index) {
+    const __m512i re = _mm512_srli_epi32(add_random(even, hash(key, index, 2)), 16);
+    const __m512i ro = add_random(odd, hash(key, index + 1, 2));
+    // Element 2k is even's lane k (the low half of word k), element 2k + 1 odd's (the high half).
+#if defined(__AVX512BW__)
+    _mm512_storeu_si512(dst, _mm512_mask_blend_epi16(0x55555555u, ro, re));
+#else
+    _mm512_storeu_si512(dst, _mm512_or_si512(_mm512_and_si512(ro, _mm512_set1_epi32(int(0xFFFF0000u))), re));
 #endif
   }
 #else
@@ -65,21 +104,43 @@ template <> struct ParamStorage<bf16sr> {
     Vec::store(tmp, x);
     __builtin_memcpy(u, tmp, sizeof u);
     // Whole-array copies and a branch-free lane loop: each ISA build vectorizes it.
+    for (int k = 0; k < W; ++k) out[k] = sr_round(u[k], sr_hash(key, uint64_t(index) + uint64_t(k)));
+    __builtin_memcpy(dst, out, sizeof out);
+  }
+  template <class V = Vec>
+  static inline void store_pair(T* dst, typename V::F even, typename V::F odd, uint32_t key, int64_t index) {
+    constexpr int W = V::W;
+    float te[W], to[W];
+    uint32_t ue[W], uo[W];
+    uint16_t out[2 * W];
+    V::store(te, even);
+    V::store(to, odd);
+    __builtin_memcpy(ue, te, sizeof ue);
+    __builtin_memcpy(uo, to, sizeof uo);
     for (int k = 0; k < W; ++k) {
-      const uint64_t ix = uint64_t(index) + uint64_t(k);
-      uint32_t h = key ^ (uint32_t(ix) * 0x9E3779B9u) ^ (uint32_t(ix >> 32) * 0x85EBCA77u);
-      h ^= h >> 16;
-      h *= 0x85EBCA6Bu;
-      h ^= h >> 13;
-      h *= 0xC2B2AE35u;
-      h ^= h >> 16;
-      const uint32_t rounded = (u[k] + (h >> 16)) >> 16;
-      out[k] = uint16_t((u[k] & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
+      out[2 * k] = sr_round(ue[k], sr_hash(key, uint64_t(index) + uint64_t(2 * k)));
+      out[2 * k + 1] = sr_round(uo[k], sr_hash(key, uint64_t(index) + uint64_t(2 * k + 1)));
     }
     __builtin_memcpy(dst, out, sizeof out);
   }
 #endif
 };
+
+// One iteration of the bf16 pair path: 2W elements of a rule whose params and states are all
+// bf16, each stream loaded as its even and odd elements (Vec::load_pair). V is a template
+// parameter so that ISAs without the pair functions never look them up.
+template <class Rule, class PS, class V = Vec>
+inline void pair_step(const Rule& rule, bf16* p, const bf16* g, bf16* const* st, int64_t i, uint32_t key) {
+  constexpr int K = Rule::kStates;
+  typename V::F pv[2], gv[2], sv[2][K];
+  V::load_pair(p + i, pv[0], pv[1]);
+  V::load_pair(g + i, gv[0], gv[1]);
+  for (int k = 0; k < K; ++k) V::load_pair(st[k] + i, sv[0][k], sv[1][k]);
+  rule(pv[0], gv[0], sv[0]);
+  rule(pv[1], gv[1], sv[1]);
+  ParamStorage<PS>::template store_pair<V>(p + i, pv[0], pv[1], key, i);
+  for (int k = 0; k < K; ++k) V::store_pair(st[k] + i, sv[0][k], sv[1][k]);
+}
 
 // Vectors per loop iteration: a build-time knob for tuning; 2 is the measured choice (16-core
 // Xeon, AVX-512: unrolling 4 vectors was no better). The prefetch distance is chosen at run time
@@ -105,12 +166,21 @@ void span_kernel(const Span& sp, int64_t begin, int64_t end, const void* scalars
   const int64_t ahead_p = prefetch / int(sizeof(P)), ahead_s = prefetch / int(sizeof(S));
   // U independent vectors per iteration: the divide/sqrt chain of one hides the others' latency.
   constexpr int U = MFA_UNROLL;
+  // bf16 params and states (and grads): 2W elements per iteration as even and odd lanes.
+  constexpr bool kPairs = Vec::kBf16Pairs && U == 2 && std::is_same<P, bf16>::value && std::is_same<S, bf16>::value;
+  const bool pairs = kPairs && bf16_pairs();
   for (; i + U * W <= end; i += U * W) {
     if (prefetch > 0) {
       for (int u = 0; u < U; ++u) {
         __builtin_prefetch(p + i + u * W + ahead_p, 1);
         __builtin_prefetch(g + i + u * W + ahead_p, 0);
         for (int k = 0; k < K; ++k) __builtin_prefetch(st[k] + i + u * W + ahead_s, 1);
+      }
+    }
+    if constexpr (kPairs) {
+      if (pairs) {
+        pair_step<Rule, PS>(rule, p, g, st, i, key);
+        continue;
       }
     }
     F pv[U], sv[U][K];

@@ -11,6 +11,10 @@ namespace mfa {
 // one distance for all.
 int prefetch_bytes(int param_size, int state_size);
 void set_prefetch_bytes(int bytes);  // 0 to 65536, or -1 for the per-vendor choice; else throws
+// Whether the x86 span loops take bf16 params and states as even and odd lanes (adam_kernel.h);
+// on by default. Off only to measure the difference in one process (benchmarks/diag_bf16_pairs.py).
+bool bf16_pairs();
+void set_bf16_pairs(bool on);
 
 // Storage tags: half and bfloat16 travel as raw bits; the ISA layer widens them to float.
 struct f16 { uint16_t bits; };

@@ -169,6 +169,11 @@ NB_MODULE(_cpu, m) {
   m.def("set_prefetch_bytes", [](std::optional<int> bytes) { set_prefetch_bytes(bytes ? *bytes : -1); },
         nb::arg("bytes").none(),
         "One prefetch distance (0 to 65536 bytes) for every dtype, or None: the per-vendor choice.");
+  m.def("bf16_pairs", [] { return bf16_pairs(); },
+        "Whether the x86 kernels take bf16 params and states as even and odd lanes (the default).");
+  m.def("set_bf16_pairs", [](bool on) { set_bf16_pairs(on); }, nb::arg("on"),
+        "Turn the bf16 even/odd-lane loads off or on again; no bit changes, only the speed\n"
+        "(benchmarks/diag_bf16_pairs.py measures both in one process).");
   register_adam8bit(m);
   register_step_plan(m);
   m.def("pool_size", [] { return ThreadPool::instance().size(); }, "Threads in the pool, the caller included.");

@@ -107,6 +107,10 @@ void set_prefetch_bytes(int bytes) {
   g_prefetch.store(bytes, std::memory_order_relaxed);
 }
 
+static std::atomic<bool> g_bf16_pairs{true};
+bool bf16_pairs() { return g_bf16_pairs.load(std::memory_order_relaxed); }
+void set_bf16_pairs(bool on) { g_bf16_pairs.store(on, std::memory_order_relaxed); }
+
 void set_active_isa(const std::string& name) {
   const IsaTable* t = find(name);
   if (!t) {

@@ -6,6 +6,7 @@
 struct Vec {
   static constexpr int W = 4;
   using F = float32x4_t;
+  static constexpr bool kBf16Pairs = false;  // no pair path (adam_kernel.h): not measured here
   static F set1(float x) { return vdupq_n_f32(x); }
   static F sqrt(F x) { return vsqrtq_f32(x); }
   static F neg(F x) { return vnegq_f32(x); }

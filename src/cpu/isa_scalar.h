@@ -7,6 +7,7 @@
 struct Vec {
   static constexpr int W = 1;
   using F = float;
+  static constexpr bool kBf16Pairs = false;  // no pair path (adam_kernel.h): not measured here
   static F set1(float x) { return x; }
   static F sqrt(F x) { return std::sqrt(x); }
   static F neg(F x) { return -x; }

@@ -1,7 +1,9 @@
-// Cross-build check: the native SIMD build (NEON on arm64) against the scalar build, bit for bit,
-// for every dtype pair, both modes and the memory-floor loop; then the one-state rules (Lion with
-// its sign at zero momentum, Adagrad with and without L2, both with maximize) and their floor; then 8-bit Adam. Built with the same flags as the
-// extension by tests/test_native_isa.py and run under qemu-aarch64 on x86-64 machines.
+// Cross-build check: one SIMD build (NEON on arm64, or an x86 build) against the scalar build, bit
+// for bit, for every dtype pair, both modes and the memory-floor loop; then the one-state rules
+// (Lion with its sign at zero momentum, Adagrad with and without L2, both with maximize) and their
+// floor; then stochastic rounding at element indices across 2^32; then 8-bit Adam. Built with the
+// same flags as the extension by tests/test_native_isa.py: NEON runs under qemu-aarch64 on x86-64
+// machines, the x86 builds natively where the CPU has them.
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -17,6 +19,8 @@ namespace MFA_NATIVE_NS { IsaTable table(); }
 // dispatch.cpp (the per-vendor choice) is not linked here: a fixed distance, so that the loops'
 // prefetch branch runs too. Prefetching moves no bit (tests/test_cpu_kernel.py checks every distance).
 int prefetch_bytes(int, int) { return 256; }
+// The bf16 pair path on, as by default (test_cpu_kernel.py checks that turning it off moves no bit).
+bool bf16_pairs() { return true; }
 }  // namespace mfa
 
 using namespace mfa;
@@ -26,7 +30,11 @@ static uint16_t to_half_bits(float f, bool bf) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
   if (bf) return uint16_t(u >> 16);
+#if defined(__aarch64__)
   __fp16 h = static_cast<__fp16>(f);
+#else
+  _Float16 h = static_cast<_Float16>(f);
+#endif
   uint16_t b;
   std::memcpy(&b, &h, 2);
   return b;
@@ -116,6 +124,34 @@ int main() {
         same ? ++passed : ++failed;
         if (!same) std::printf("MISMATCH %s vs %s: one-state combo %d n %d mode %d\n", a.name, b.name, combo, n, mode);
       }
+    }
+  }
+  // Stochastic rounding hashes the element index, whose low 32 bits wrap within a vector near
+  // 2^32 (the AVX-512 store's slow path). Spans there, reached through base pointers shifted back
+  // by `begin` elements: the kernel only ever touches elements begin to end - 1.
+  for (int combo : {int(Combo::BF16SR_F32), int(Combo::BF16SR_BF16)}) {
+    for (int64_t begin : {(int64_t(1) << 32) - 45, (int64_t(1) << 32) - 16, (int64_t(3) << 32) - 1}) {
+      const int n = 100;
+      AdamScalars s{0.9f, 0.999f, 0.1f, 0.001f, 1e-8f, 0.05f, 0.1f, 31.622776f, 0.9995f, 1u, 0u};
+      std::vector<std::vector<uint8_t>> bufs[2];
+      for (int k = 0; k < 2; ++k) bufs[k].resize(4);
+      int es[4] = {2, 2, state_elem[combo], state_elem[combo]};
+      for (int t = 0; t < 4; ++t) {
+        bufs[0][t] = random_values(n, es[t], true, t == 3, rng, dist);
+        bufs[1][t] = bufs[0][t];
+      }
+      for (int k = 0; k < 2; ++k) {
+        auto at = [&](int t) { return static_cast<void*>(bufs[k][t].data() - begin * es[t]); };
+        Span sp{at(0), at(1), {at(2), at(3)}, begin + n};
+        sp.sr_key = 0x2545F491u;
+        SpanFn fn = (k == 0 ? a : b).fn[int(RuleId::Adam)][combo];
+        fn(sp, begin, begin + n, &s);
+        fn(sp, begin + 1, begin + n, &s);  // an odd start: the pair path's odd lanes at even indices
+      }
+      bool same = bufs[0] == bufs[1];
+      same ? ++passed : ++failed;
+      if (!same) std::printf("MISMATCH %s vs %s: stochastic rounding combo %d from %lld\n", a.name, b.name, combo,
+                             static_cast<long long>(begin));
     }
   }
   // 8-bit Adam (adam8bit_kernel.h): every param storage, both modes, whole and partial blocks,
