@@ -16,6 +16,9 @@ def test_summary_picks_the_fastest_other_and_ratios():
     assert lines[2] == "| flat 64M | fp32 | 16 | 0.250 | deepspeed cpu_adam | 0.240 | 0.96x | 0.80 |"
     assert lines[3] == "| flat 64M | fp32 | 1 | 0.500 | (none) | - | - | 1.00 |"
     assert len(lines) == 4
+    # With round-by-round ratios (the rows' column), the summary repeats ours' row's figure.
+    paired = [Row("flat 64M", "fp32", 4, "ours", 0.25, 1.0, 0.93, None), row("floor", 0.20, threads=4)]
+    assert summary(paired)[2] == "| flat 64M | fp32 | 4 | 0.250 | (none) | - | - | 0.93 |"
 
 
 # The benchmarks run the memory floors on the optimizers' own tensors (bench._floor_fn), so the

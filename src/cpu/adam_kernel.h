@@ -63,6 +63,10 @@ template <> struct ParamStorage<bf16sr> {
                            _mm512_xor_si512(_mm512_mullo_epi32(lo, _mm512_set1_epi32(int(0x9E3779B9u))),
                                             _mm512_mullo_epi32(hi, _mm512_set1_epi32(int(0x85EBCA77u)))));
     }
+    return fmix(h);
+  }
+  // fmix32 without its last step, h ^= h >> 16, which leaves the top 16 bits unchanged.
+  static inline __m512i fmix(__m512i h) {
     h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
     h = _mm512_mullo_epi32(h, _mm512_set1_epi32(int(0x85EBCA6Bu)));
     h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
@@ -86,8 +90,24 @@ template <> struct ParamStorage<bf16sr> {
   }
   template <class V = Vec>
   static inline void store_pair(T* dst, __m512 even, __m512 odd, uint32_t key, int64_t index) {
-    const __m512i re = _mm512_srli_epi32(add_random(even, hash(key, index, 2)), 16);
-    const __m512i ro = add_random(odd, hash(key, index + 1, 2));
+    __m512i he, ho;
+    const uint32_t lo0 = uint32_t(uint64_t(index));
+    if (lo0 <= 0xFFFFFFFFu - 31u) {
+      // Both vectors' index products from one broadcast: (lo0 + 2k + 1) * C = (lo0 + 2k) * C + C.
+      const __m512i kc2 = _mm512_setr_epi32(0, int(0x3C6EF372u), int(0x78DDE6E4u), int(0xB54CDA56u), int(0xF1BBCDC8u),
+                                            int(0x2E2AC13Au), int(0x6A99B4ACu), int(0xA708A81Eu), int(0xE3779B90u),
+                                            int(0x1FE68F02u), int(0x5C558274u), int(0x98C475E6u), int(0xD5336958u),
+                                            int(0x11A25CCAu), int(0x4E11503Cu), int(0x8A8043AEu));  // 2k * C
+      const __m512i k = _mm512_set1_epi32(int(key ^ (uint32_t(uint64_t(index) >> 32) * 0x85EBCA77u)));
+      const __m512i base = _mm512_add_epi32(_mm512_set1_epi32(int(lo0 * 0x9E3779B9u)), kc2);
+      he = fmix(_mm512_xor_si512(k, base));
+      ho = fmix(_mm512_xor_si512(k, _mm512_add_epi32(base, _mm512_set1_epi32(int(0x9E3779B9u)))));
+    } else {
+      he = hash(key, index, 2);
+      ho = hash(key, index + 1, 2);
+    }
+    const __m512i re = _mm512_srli_epi32(add_random(even, he), 16);
+    const __m512i ro = add_random(odd, ho);
     // Element 2k is even's lane k (the low half of word k), element 2k + 1 odd's (the high half).
 #if defined(__AVX512BW__)
     _mm512_storeu_si512(dst, _mm512_mask_blend_epi16(0x55555555u, ro, re));

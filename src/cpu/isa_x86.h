@@ -105,9 +105,10 @@ struct Vec {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(x)));
   }
   // 2W bf16 values as two vectors of their even and odd elements: one load and two bit operations
-  // instead of two widening loads (measured: the in-cache bf16 Adam step 21-22% faster on the EPYC
-  // and the Xeon, benchmarks/diag_bf16_pairs.py). The rules are elementwise, so the lane order is
-  // free as long as every stream of a loop uses the same (adam_kernel.h).
+  // instead of two widening loads (in cache at 1 thread the bf16 Adam step ran 1.27x faster on the
+  // 2-core EPYC and 1.06x on the 16-core Xeon: benchmarks/bf16_pairs_*.txt). The rules are
+  // elementwise, so the lane order is free as long as every stream of a loop uses the same
+  // (adam_kernel.h).
   static constexpr bool kBf16Pairs = true;
   static void load_pair(const bf16* p, F& even, F& odd) {
     const __m512i w = _mm512_loadu_si512(p);
