@@ -351,7 +351,12 @@ def main(argv: list) -> int:
            "deepspeed": deepspeed.__version__, "accelerator_class": type(accel).__name__,
            "complete_base": getattr(accel, "mps_fused_adam_complete_base", None)}
     print("\nMFA-RESULT " + json.dumps(out), flush=True)
-    return 0
+    # The result is out: leave without interpreter finalization, where gloo's threads can abort
+    # the process ("terminate called without an active exception", pytorch/pytorch#190489; seen
+    # once in CI). A barrier and destroy_process_group() here hung under pseudo-MPS.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
