@@ -6,7 +6,7 @@ extension in test_cpu_kernel.py.)"""
 from __future__ import annotations
 
 import platform
-import shutil
+import re
 import subprocess
 from pathlib import Path
 
@@ -30,13 +30,20 @@ def test_neon_matches_scalar_under_qemu(tmp_path):
     assert " 0 failed" in run.stdout and " 0 passed" not in run.stdout, run.stdout
 
 
-# cmake/cpu_adam.cmake's flags per x86 build, and the /proc/cpuinfo flags each needs.
-X86_BUILDS = {
-    "avx2": (["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"}),
-    "avx512": (["-mavx512f", "-mavx2", "-mfma", "-mf16c"], {"avx512f", "avx2", "fma", "f16c"}),
-    "avx512bf16": (["-mavx512f", "-mavx512bf16", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mavx2", "-mfma",
-                    "-mf16c"], {"avx512f", "avx512_bf16", "avx512dq", "avx512vl", "avx512bw", "avx2", "fma", "f16c"}),
+# The /proc/cpuinfo flags each x86 build needs; its compiler flags come from cmake/cpu_adam.cmake.
+X86_NEEDS = {
+    "avx2": {"avx2", "fma", "f16c"},
+    "avx512": {"avx512f", "avx2", "fma", "f16c"},
+    "avx512bf16": {"avx512f", "avx512_bf16", "avx512dq", "avx512vl", "avx512bw", "avx2", "fma", "f16c"},
 }
+
+
+def _build_flags(isa: str) -> list[str]:
+    """The -m flags cmake/cpu_adam.cmake gives the ``isa`` build (``mfa_isa_objects(isa ...)``)."""
+    text = (ROOT / "cmake" / "cpu_adam.cmake").read_text()
+    match = re.search(rf"^\s*mfa_isa_objects\({isa}\s+([^)]*)\)", text, re.MULTILINE)
+    assert match, f"no mfa_isa_objects({isa} ...) in cmake/cpu_adam.cmake"
+    return match.group(1).split()
 
 
 def _cpu_flags() -> set[str]:
@@ -47,19 +54,18 @@ def _cpu_flags() -> set[str]:
     return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
 
 
-@pytest.mark.parametrize("isa", list(X86_BUILDS))
+@pytest.mark.parametrize("isa", list(X86_NEEDS))
 def test_x86_build_matches_scalar_natively(tmp_path, isa):
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip(f"an x86-64 build; this machine is {platform.machine()}")
-    flags, needs = X86_BUILDS[isa]
-    missing = needs - _cpu_flags()
+    missing = X86_NEEDS[isa] - _cpu_flags()
     if missing:
         pytest.skip(f"this CPU lacks {sorted(missing)}, which the {isa} build needs")
-    cxx = shutil.which("g++") or shutil.which("c++") or pytest.skip("no C++ compiler")
+    [cxx] = require_tool("g++")
     base = [cxx, *[f for f in FLAGS if f != "-static"], f"-I{SRC}"]
     objs = []
     for src, extra in ((ROOT / "tests/native/isa_parity.cpp", [f"-DMFA_NATIVE_NS=isa_{isa}"]),
-                       (SRC / "adam_scalar.cpp", []), (SRC / f"adam_{isa}.cpp", flags)):
+                       (SRC / "adam_scalar.cpp", []), (SRC / f"adam_{isa}.cpp", _build_flags(isa))):
         obj = tmp_path / (src.stem + ".o")
         subprocess.run([*base, *extra, "-c", str(src), "-o", str(obj)], check=True)
         objs.append(str(obj))

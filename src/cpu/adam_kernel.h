@@ -39,19 +39,22 @@ template <> struct ParamStorage<bf16sr> {
   // AVX-512: the same hash on 16 lanes in zmm registers (GCC's auto-vectorizer stops at 256 bits),
   // for the element indices first + stride * lane, lane 0 to 15, stride 1 or 2; fmix32's last
   // step, h ^= h >> 16, is left out: it leaves the top 16 bits (the random bits) unchanged.
+  // stride * k * 0x9E3779B9 modulo 2^32 in lane k (stride 1 or 2): the lanes' index products.
+  static inline __m512i lane_products(int stride) {
+    const __m512i kc = _mm512_setr_epi32(0, int(0x9E3779B9u), int(0x3C6EF372u), int(0xDAA66D2Bu), int(0x78DDE6E4u),
+                                         int(0x1715609Du), int(0xB54CDA56u), int(0x5384540Fu), int(0xF1BBCDC8u),
+                                         int(0x8FF34781u), int(0x2E2AC13Au), int(0xCC623AF3u), int(0x6A99B4ACu),
+                                         int(0x08D12E65u), int(0xA708A81Eu), int(0x454021D7u));
+    return stride == 2 ? _mm512_add_epi32(kc, kc) : kc;
+  }
   static inline __m512i hash(uint32_t key, int64_t first, int stride) {
     const uint32_t lo0 = uint32_t(uint64_t(first)), hi0 = uint32_t(uint64_t(first) >> 32);
     __m512i h;
     if (lo0 <= 0xFFFFFFFFu - 15u * uint32_t(stride)) {
       // (lo0 + k) * C is lo0 * C + k * C modulo 2^32: one add per vector instead of a multiply,
       // and the high word is the same in every lane, so its product folds into the key.
-      __m512i kc = _mm512_setr_epi32(0, int(0x9E3779B9u), int(0x3C6EF372u), int(0xDAA66D2Bu), int(0x78DDE6E4u),
-                                     int(0x1715609Du), int(0xB54CDA56u), int(0x5384540Fu), int(0xF1BBCDC8u),
-                                     int(0x8FF34781u), int(0x2E2AC13Au), int(0xCC623AF3u), int(0x6A99B4ACu),
-                                     int(0x08D12E65u), int(0xA708A81Eu), int(0x454021D7u));
-      if (stride == 2) kc = _mm512_add_epi32(kc, kc);
       h = _mm512_xor_si512(_mm512_set1_epi32(int(key ^ (hi0 * 0x85EBCA77u))),
-                           _mm512_add_epi32(_mm512_set1_epi32(int(lo0 * 0x9E3779B9u)), kc));
+                           _mm512_add_epi32(_mm512_set1_epi32(int(lo0 * 0x9E3779B9u)), lane_products(stride)));
     } else {
       const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
       const __m512i lo = _mm512_add_epi32(_mm512_set1_epi32(int(lo0)), _mm512_mullo_epi32(lane, _mm512_set1_epi32(stride)));
@@ -94,12 +97,9 @@ template <> struct ParamStorage<bf16sr> {
     const uint32_t lo0 = uint32_t(uint64_t(index));
     if (lo0 <= 0xFFFFFFFFu - 31u) {
       // Both vectors' index products from one broadcast: (lo0 + 2k + 1) * C = (lo0 + 2k) * C + C.
-      const __m512i kc2 = _mm512_setr_epi32(0, int(0x3C6EF372u), int(0x78DDE6E4u), int(0xB54CDA56u), int(0xF1BBCDC8u),
-                                            int(0x2E2AC13Au), int(0x6A99B4ACu), int(0xA708A81Eu), int(0xE3779B90u),
-                                            int(0x1FE68F02u), int(0x5C558274u), int(0x98C475E6u), int(0xD5336958u),
-                                            int(0x11A25CCAu), int(0x4E11503Cu), int(0x8A8043AEu));  // 2k * C
+
       const __m512i k = _mm512_set1_epi32(int(key ^ (uint32_t(uint64_t(index) >> 32) * 0x85EBCA77u)));
-      const __m512i base = _mm512_add_epi32(_mm512_set1_epi32(int(lo0 * 0x9E3779B9u)), kc2);
+      const __m512i base = _mm512_add_epi32(_mm512_set1_epi32(int(lo0 * 0x9E3779B9u)), lane_products(2));
       he = fmix(_mm512_xor_si512(k, base));
       ho = fmix(_mm512_xor_si512(k, _mm512_add_epi32(base, _mm512_set1_epi32(int(0x9E3779B9u)))));
     } else {
