@@ -59,6 +59,21 @@ def test_matches_reference_bitwise(simd, dtype, n, mode):
     assert (ours[1]["exp_avg_sq_absmax"] > 0).all()  # the kernel really ran (bf16 params may not move)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_permute_dequantization_changes_speed_only(simd, dtype):
+    """Dequantizing a block by word permutes (AVX512BW builds) or by a gather per vector moves no
+    bit: both match the reference, for whole blocks, a short last block, and stochastic rounding."""
+    assert _cpu.q8_permute_dequant()  # the default
+    try:
+        for on in (False, True):
+            _cpu.set_q8_permute_dequant(on)
+            for n in (256 * 3, 256 * 2 + 77):
+                ours, ref, _ = run_both(n, dtype, sr=dtype == torch.bfloat16)
+                assert_same(ours, ref)
+    finally:
+        _cpu.set_q8_permute_dequant(True)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_threads_and_large_tensor(threads):
     old = torch.get_num_threads()

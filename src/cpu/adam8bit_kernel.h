@@ -4,8 +4,8 @@
 //
 // A block is two passes over L1-resident scratch: dequantize, Adam v2 with the clamp, store the
 // param, and track each moment's absmax; then requantize with the new scales. The three table
-// operations (dequantize, absmax, nearest code) are the only ISA-specific parts: gathers on
-// AVX2/AVX-512, a lane loop elsewhere. Every path performs the reference's fp32 operations in its
+// operations (dequantize, absmax, nearest code) are the only ISA-specific parts: word permutes
+// (dequantize, with AVX512BW) and gathers on x86, a lane loop elsewhere. Every path performs the reference's fp32 operations in its
 // order (built with -ffp-contract=off), so all paths agree bit for bit.
 #pragma once
 
@@ -21,6 +21,40 @@ inline F dequant(const uint8_t* c, const float* values, F scale) {
   const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
   return _mm512_mul_ps(_mm512_i32gather_ps(idx, values, 4), scale);
 }
+#if defined(__AVX512BW__)
+// A whole block's codes through the map, 32 at a time: each 16-bit half of the code values comes
+// from four 64-entry word permutes chosen by index bits 6 and 7 (Q8Map::planes). A gather per 16
+// codes cost more (about 0.19 ns per element and moment on Zen 4: benchmarks/diag_q8_dequant.py).
+constexpr bool kBlockDequant = true;
+inline void dequant_block(const uint8_t* c, const Q8Map& map, float scale, float* out) {
+  // Word 8L+j (j < 4) of the index vector takes code 4L+j, word 8L+4+j takes code 16+4L+j: then
+  // unpacking the halves per 128-bit lane yields values 0..15 and 16..31 in order.
+  const __m512i order = _mm512_set_epi16(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8,
+                                         23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i* lo = reinterpret_cast<const __m512i*>(map.planes);
+  const __m512i* hi = reinterpret_cast<const __m512i*>(map.planes + 256);
+  const F s = _mm512_set1_ps(scale);
+  for (int j = 0; j < kQ8Block; j += 32) {
+    const __m512i idx = _mm512_permutexvar_epi16(
+        order, _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j))));
+    const __mmask32 b6 = _mm512_test_epi16_mask(idx, _mm512_set1_epi16(0x40));
+    const __mmask32 b7 = _mm512_test_epi16_mask(idx, _mm512_set1_epi16(0x80));
+    auto look = [&](const __m512i* t) {
+      const __m512i r0 = _mm512_permutex2var_epi16(_mm512_loadu_si512(t + 0), idx, _mm512_loadu_si512(t + 1));
+      const __m512i r1 = _mm512_permutex2var_epi16(_mm512_loadu_si512(t + 2), idx, _mm512_loadu_si512(t + 3));
+      const __m512i r2 = _mm512_permutex2var_epi16(_mm512_loadu_si512(t + 4), idx, _mm512_loadu_si512(t + 5));
+      const __m512i r3 = _mm512_permutex2var_epi16(_mm512_loadu_si512(t + 6), idx, _mm512_loadu_si512(t + 7));
+      return _mm512_mask_blend_epi16(b7, _mm512_mask_blend_epi16(b6, r0, r1), _mm512_mask_blend_epi16(b6, r2, r3));
+    };
+    const __m512i l = look(lo), h = look(hi);
+    _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(l, h)), s));
+    _mm512_storeu_ps(out + j + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(l, h)), s));
+  }
+}
+#else
+constexpr bool kBlockDequant = false;  // no word permutes: the per-vector gather
+inline void dequant_block(const uint8_t*, const Q8Map&, float, float*) {}
+#endif
 inline Acc acc_max(Acc a, F x) {
   return _mm512_max_epu32(a, _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF)));
 }
@@ -48,6 +82,8 @@ inline void quantize(uint8_t* out, F x, const Q8Map& map, bool positive_floor) {
 #elif defined(MFA_ISA_AVX2)
 using Acc = __m256i;
 inline Acc acc_zero() { return _mm256_setzero_si256(); }
+constexpr bool kBlockDequant = false;  // the per-vector gather or lane loop
+inline void dequant_block(const uint8_t*, const Q8Map&, float, float*) {}
 inline F dequant(const uint8_t* c, const float* values, F scale) {
   const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
   return _mm256_mul_ps(_mm256_i32gather_ps(values, idx, 4), scale);
@@ -82,6 +118,8 @@ inline void quantize(uint8_t* out, F x, const Q8Map& map, bool positive_floor) {
 // Scalar and NEON: the same operations one lane at a time (NEON has no gather).
 struct Acc { uint32_t lane[W]; };
 inline Acc acc_zero() { return Acc{}; }
+constexpr bool kBlockDequant = false;  // the per-vector gather or lane loop
+inline void dequant_block(const uint8_t*, const Q8Map&, float, float*) {}
 inline uint32_t bits_of(float x) { uint32_t u; __builtin_memcpy(&u, &x, 4); return u; }
 inline F dequant(const uint8_t* c, const float* values, F scale) {
   float t[W];
@@ -152,12 +190,18 @@ void adam8bit_blocks(const Q8Job& job, int64_t b0, int64_t b1) {
   const int64_t n = job.n;
   const uint32_t sr_key = job.sr_key;
   alignas(64) float mb[kQ8Block], vb[kQ8Block];
+  const bool block_dequant = kBlockDequant && q8_permute_dequant();
   // One vector: dequantize, Adam v2 with the clamp, store the param; m and v come back.
   auto update = [&](P* pp, const P* gp, const uint8_t* c1, const uint8_t* c2, int64_t index, F a1, F a2, F& m,
                     F& v) {
     F p = Vec::load(pp), g = Vec::load(gp);
-    m = dequant(c1, map1.values, a1);
-    v = dequant(c2, map2.values, a2);
+    if (block_dequant) {  // dequantized already: mb/vb at this vector's offset in the block
+      m = Vec::load(mb + (index & (kQ8Block - 1)));
+      v = Vec::load(vb + (index & (kQ8Block - 1)));
+    } else {
+      m = dequant(c1, map1.values, a1);
+      v = dequant(c2, map2.values, a2);
+    }
     if (maximize) g = Vec::neg(g);
     if (!adam_w_mode) g = g + wd * p;
     m = beta1 * m + omb1 * g;
@@ -172,6 +216,18 @@ void adam8bit_blocks(const Q8Job& job, int64_t b0, int64_t b1) {
     const int64_t lo = b * kQ8Block;
     const int len = int(n - lo < kQ8Block ? n - lo : kQ8Block);
     const F a1 = Vec::set1(absmax1[b]), a2 = Vec::set1(absmax2[b]);
+    if (block_dequant) {
+      if (len == kQ8Block) {
+        dequant_block(codes1 + lo, map1, absmax1[b], mb);
+        dequant_block(codes2 + lo, map2, absmax2[b], vb);
+      } else {
+        alignas(64) uint8_t cb[kQ8Block] = {};  // the short last block, zero-padded
+        __builtin_memcpy(cb, codes1 + lo, unsigned(len));
+        dequant_block(cb, map1, absmax1[b], mb);
+        __builtin_memcpy(cb, codes2 + lo, unsigned(len));
+        dequant_block(cb, map2, absmax2[b], vb);
+      }
+    }
     Acc mx1 = acc_zero(), mx2 = acc_zero();
     int j = 0;
     for (; j + W <= len; j += W) {

@@ -15,6 +15,11 @@ void set_prefetch_bytes(int bytes);  // 0 to 65536, or -1 for the per-vendor cho
 // on by default. Off only to measure the difference in one process (benchmarks/diag_bf16_pairs.py).
 bool bf16_pairs();
 void set_bf16_pairs(bool on);
+// Whether the 8-bit kernel dequantizes a block by word permutes where the build has them
+// (AVX512BW), instead of a gather per vector; on by default. Off only to measure the difference
+// in one process (benchmarks/diag_q8_dequant.py).
+bool q8_permute_dequant();
+void set_q8_permute_dequant(bool on);
 
 // Storage tags: half and bfloat16 travel as raw bits; the ISA layer widens them to float.
 struct f16 { uint16_t bits; };
@@ -102,6 +107,7 @@ static_assert(sizeof(Adam8bitScalars) == 48, "must match lowbit.ADAM8BIT_STRUCT"
 struct Q8Map {
   const float* values;
   const uint32_t* bucket;  // 65536 entries
+  const uint16_t* planes;  // the code values' bits as two 256-word planes (low halves, high halves)
 };
 
 struct Q8Job {

@@ -21,9 +21,9 @@ static std::vector<IsaTable> detect() {
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
   bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  bool avx512 = avx2 && __builtin_cpu_supports("avx512f");
+  bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
   if (avx512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw"))
+      __builtin_cpu_supports("avx512vl"))
     isas.push_back(isa_avx512bf16::table());
   if (avx512) isas.push_back(isa_avx512::table());
   if (avx2) isas.push_back(isa_avx2::table());
@@ -110,6 +110,10 @@ void set_prefetch_bytes(int bytes) {
 static std::atomic<bool> g_bf16_pairs{true};
 bool bf16_pairs() { return g_bf16_pairs.load(std::memory_order_relaxed); }
 void set_bf16_pairs(bool on) { g_bf16_pairs.store(on, std::memory_order_relaxed); }
+
+static std::atomic<bool> g_q8_permute_dequant{true};
+bool q8_permute_dequant() { return g_q8_permute_dequant.load(std::memory_order_relaxed); }
+void set_q8_permute_dequant(bool on) { g_q8_permute_dequant.store(on, std::memory_order_relaxed); }
 
 void set_active_isa(const std::string& name) {
   const IsaTable* t = find(name);

@@ -17,7 +17,8 @@ constexpr int kCodes = 256;
 struct Q8Tables {
   std::vector<float> values, mid;
   std::vector<uint32_t> bucket;
-  Q8Map view() const { return Q8Map{values.data(), bucket.data()}; }
+  std::vector<uint16_t> planes;
+  Q8Map view() const { return Q8Map{values.data(), bucket.data(), planes.data()}; }
 };
 
 inline uint32_t order_key(float x) {
@@ -32,6 +33,13 @@ inline std::unique_ptr<Q8Tables> build_q8_tables(const float* values, const floa
   auto t = std::make_unique<Q8Tables>();
   t->values.assign(values, values + kCodes);
   t->mid.assign(mids, mids + kCodes - 1);
+  t->planes.resize(2 * kCodes);
+  for (int i = 0; i < kCodes; ++i) {
+    uint32_t u;
+    std::memcpy(&u, &values[i], 4);
+    t->planes[i] = uint16_t(u);
+    t->planes[kCodes + i] = uint16_t(u >> 16);
+  }
   t->bucket.assign(size_t(1) << 16, 0);
   uint32_t c = 0;
   for (uint32_t bucket = 0; bucket < (1u << 16); ++bucket) {

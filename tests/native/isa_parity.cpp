@@ -1,9 +1,9 @@
 // Cross-build check: one SIMD build (NEON on arm64, or an x86 build) against the scalar build, bit
 // for bit, for every dtype pair, both modes and the memory-floor loop; then the one-state rules
 // (Lion with its sign at zero momentum, Adagrad with and without L2, both with maximize) and their
-// floor; then stochastic rounding at element indices across 2^32; then 8-bit Adam. Built with the
-// same flags as the extension by tests/test_native_isa.py: NEON runs under qemu-aarch64 on x86-64
-// machines, the x86 builds natively where the CPU has them.
+// floor; then stochastic rounding at element indices across 2^32; then 8-bit Adam, dequantized by
+// permutes and by gathers. Built with the same flags as the extension by tests/test_native_isa.py:
+// NEON runs under qemu-aarch64 on x86-64 machines, the x86 builds natively where the CPU has them.
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -21,6 +21,9 @@ namespace MFA_NATIVE_NS { IsaTable table(); }
 int prefetch_bytes(int, int) { return 256; }
 // The bf16 pair path on, as by default (test_cpu_kernel.py checks that turning it off moves no bit).
 bool bf16_pairs() { return true; }
+// The 8-bit section runs with the permute dequantization on (the default) and off.
+static bool g_q8_permute = true;
+bool q8_permute_dequant() { return g_q8_permute; }
 }  // namespace mfa
 
 using namespace mfa;
@@ -168,7 +171,9 @@ int main() {
   }
   const auto t1 = build_q8_tables(v1, m1), t2 = build_q8_tables(v2, m2);
   const int q8_sizes[] = {1, 5, 256, 300, 1000};
+  for (int permute = 1; permute >= 0; --permute)
   for (int kind = 0; kind < int(Q8Param::Count); ++kind) {
+    g_q8_permute = permute != 0;
     const int pe = kind == int(Q8Param::F32) ? 4 : 2;
     for (int n : q8_sizes) {
       for (int mode = 0; mode < 2; ++mode) {
@@ -206,7 +211,8 @@ int main() {
         bool same = scales[0][0] == scales[1][0] && scales[0][1] == scales[1][1];
         for (int t = 0; t < 4; ++t) same = same && bufs[0][t] == bufs[1][t];
         same ? ++passed : ++failed;
-        if (!same) std::printf("MISMATCH %s vs %s: 8-bit kind %d n %d mode %d\n", a.name, b.name, kind, n, mode);
+        if (!same) std::printf("MISMATCH %s vs %s: 8-bit kind %d n %d mode %d permute %d\n", a.name, b.name, kind, n,
+                               mode, permute);
       }
     }
   }
