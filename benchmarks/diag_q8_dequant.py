@@ -1,7 +1,7 @@
 """Diagnostic: how the CPU 8-bit kernel dequantizes a block (``_cpu.set_q8_permute_dequant``,
-adam8bit_kernel.h). With AVX512BW (the avx512 and avx512bf16 paths) the 256 codes of a block go
-through the map by word permutes, 32 at a time; off, by one gather per 16 codes, as the AVX2 path
-does. ``AdamW8bit``'s step with the permutes on and off, and the 8-bit memory floor, all in one
+adam8bit_kernel.h). With AVX512_VBMI (the avx512bf16 path) the 256 codes of a block go through
+the map by byte permutes, 64 at a time; off, by one gather per 16 codes, as the avx512 and avx2
+paths do. ``AdamW8bit``'s step with the permutes on and off, and the 8-bit memory floor, all in one
 interleaved run on the same tensors, fp32 and bf16 params; then the kernel alone on an
 L2-resident tensor at 1 thread (the arithmetic alone, no memory stalls).
 

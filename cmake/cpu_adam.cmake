@@ -27,9 +27,10 @@ set(MFA_ISA_OBJECTS "")
 if(MFA_TARGET_PROCESSOR MATCHES "^(x86_64|AMD64|amd64)$")
   mfa_isa_objects(scalar)
   mfa_isa_objects(avx2 -mavx2 -mfma -mf16c)
-  # AVX512BW (every AVX-512 CPU but Xeon Phi) for the 8-bit kernel's word-permute table lookups.
-  mfa_isa_objects(avx512 -mavx512f -mavx512bw -mavx2 -mfma -mf16c)
-  mfa_isa_objects(avx512bf16 -mavx512f -mavx512bf16 -mavx512dq -mavx512vl -mavx512bw -mavx2 -mfma -mf16c)
+  mfa_isa_objects(avx512 -mavx512f -mavx2 -mfma -mf16c)
+  # AVX512_VBMI: the 8-bit kernel's byte-permute table lookups. Every CPU with AVX512_BF16 but
+  # Cooper Lake has it; that one takes the avx512 build.
+  mfa_isa_objects(avx512bf16 -mavx512f -mavx512bf16 -mavx512dq -mavx512vl -mavx512bw -mavx512vbmi -mavx2 -mfma -mf16c)
 elseif(MFA_TARGET_PROCESSOR MATCHES "^(aarch64|arm64|ARM64)$")
   mfa_isa_objects(scalar)
   mfa_isa_objects(neon)

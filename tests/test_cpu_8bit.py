@@ -61,7 +61,7 @@ def test_matches_reference_bitwise(simd, dtype, n, mode):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_permute_dequantization_changes_speed_only(simd, dtype):
-    """Dequantizing a block by word permutes (AVX512BW builds) or by a gather per vector moves no
+    """Dequantizing a block by byte permutes (AVX512_VBMI builds) or by a gather per vector moves no
     bit: both match the reference, for whole blocks, a short last block, and stochastic rounding."""
     assert _cpu.q8_permute_dequant()  # the default
     try:

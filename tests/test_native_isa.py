@@ -33,8 +33,9 @@ def test_neon_matches_scalar_under_qemu(tmp_path):
 # The /proc/cpuinfo flags each x86 build needs; its compiler flags come from cmake/cpu_adam.cmake.
 X86_NEEDS = {
     "avx2": {"avx2", "fma", "f16c"},
-    "avx512": {"avx512f", "avx512bw", "avx2", "fma", "f16c"},
-    "avx512bf16": {"avx512f", "avx512_bf16", "avx512dq", "avx512vl", "avx512bw", "avx2", "fma", "f16c"},
+    "avx512": {"avx512f", "avx2", "fma", "f16c"},
+    "avx512bf16": {"avx512f", "avx512_bf16", "avx512dq", "avx512vl", "avx512bw", "avx512vbmi", "avx2", "fma",
+                   "f16c"},
 }
 
 

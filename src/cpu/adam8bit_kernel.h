@@ -4,8 +4,8 @@
 //
 // A block is two passes over L1-resident scratch: dequantize, Adam v2 with the clamp, store the
 // param, and track each moment's absmax; then requantize with the new scales. The three table
-// operations (dequantize, absmax, nearest code) are the only ISA-specific parts: word permutes
-// (dequantize, with AVX512BW) and gathers on x86, a lane loop elsewhere. Every path performs the reference's fp32 operations in its
+// operations (dequantize, absmax, nearest code) are the only ISA-specific parts: byte permutes
+// (dequantize, with AVX512_VBMI) and gathers on x86, a lane loop elsewhere. Every path performs the reference's fp32 operations in its
 // order (built with -ffp-contract=off), so all paths agree bit for bit.
 #pragma once
 
@@ -21,38 +21,43 @@ inline F dequant(const uint8_t* c, const float* values, F scale) {
   const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
   return _mm512_mul_ps(_mm512_i32gather_ps(idx, values, 4), scale);
 }
-#if defined(__AVX512BW__)
-// A whole block's codes through the map, 32 at a time: each 16-bit half of the code values comes
-// from four 64-entry word permutes chosen by index bits 6 and 7 (Q8Map::planes). A gather per 16
-// codes cost more (about 0.19 ns per element and moment on Zen 4: benchmarks/diag_q8_dequant.py).
+#if defined(__AVX512VBMI__)
+// A whole block's codes through the map, 64 at a time: each byte of the code values comes from
+// two 128-entry byte permutes chosen by index bit 7 (Q8Map::bytes), and unpacking the four byte
+// planes yields the values. A gather per 16 codes cost more: benchmarks/diag_q8_dequant.py.
 constexpr bool kBlockDequant = true;
 inline void dequant_block(const uint8_t* c, const Q8Map& map, float scale, float* out) {
-  // Word 8L+j (j < 4) of the index vector takes code 4L+j, word 8L+4+j takes code 16+4L+j: then
-  // unpacking the halves per 128-bit lane yields values 0..15 and 16..31 in order.
-  const __m512i order = _mm512_set_epi16(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8,
-                                         23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-  const __m512i* lo = reinterpret_cast<const __m512i*>(map.planes);
-  const __m512i* hi = reinterpret_cast<const __m512i*>(map.planes + 256);
+  // Unpacking works within 128-bit lanes: byte 16L+4q+j (L, q, j < 4) of the index vector takes
+  // code 16q+4L+j, so that the four unpacked vectors hold codes 0..15, 16..31, 32..47, 48..63.
+  alignas(64) static const uint8_t order_bytes[64] = {
+#define MFA_Q8_LANE(L)                                                                                    \
+  0 + 4 * L, 1 + 4 * L, 2 + 4 * L, 3 + 4 * L, 16 + 4 * L, 17 + 4 * L, 18 + 4 * L, 19 + 4 * L, 32 + 4 * L, \
+      33 + 4 * L, 34 + 4 * L, 35 + 4 * L, 48 + 4 * L, 49 + 4 * L, 50 + 4 * L, 51 + 4 * L
+      MFA_Q8_LANE(0), MFA_Q8_LANE(1), MFA_Q8_LANE(2), MFA_Q8_LANE(3)};
+#undef MFA_Q8_LANE
+  const __m512i order = _mm512_load_si512(order_bytes);
+  const __m512i* t = reinterpret_cast<const __m512i*>(map.bytes);
   const F s = _mm512_set1_ps(scale);
-  for (int j = 0; j < kQ8Block; j += 32) {
-    const __m512i idx = _mm512_permutexvar_epi16(
-        order, _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j))));
-    const __mmask32 b6 = _mm512_test_epi16_mask(idx, _mm512_set1_epi16(0x40));
-    const __mmask32 b7 = _mm512_test_epi16_mask(idx, _mm512_set1_epi16(0x80));
-    auto look = [&](const __m512i* t) {
-      const __m512i r0 = _mm512_permutex2var_epi16(_mm512_loadu_si512(t + 0), idx, _mm512_loadu_si512(t + 1));
-      const __m512i r1 = _mm512_permutex2var_epi16(_mm512_loadu_si512(t + 2), idx, _mm512_loadu_si512(t + 3));
-      const __m512i r2 = _mm512_permutex2var_epi16(_mm512_loadu_si512(t + 4), idx, _mm512_loadu_si512(t + 5));
-      const __m512i r3 = _mm512_permutex2var_epi16(_mm512_loadu_si512(t + 6), idx, _mm512_loadu_si512(t + 7));
-      return _mm512_mask_blend_epi16(b7, _mm512_mask_blend_epi16(b6, r0, r1), _mm512_mask_blend_epi16(b6, r2, r3));
-    };
-    const __m512i l = look(lo), h = look(hi);
-    _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(l, h)), s));
-    _mm512_storeu_ps(out + j + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(l, h)), s));
+  for (int j = 0; j < kQ8Block; j += 64) {
+    const __m512i idx = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(c + j));
+    const __mmask64 high = _mm512_movepi8_mask(idx);
+    __m512i plane[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m512i* tk = t + 4 * k;
+      plane[k] = _mm512_mask_blend_epi8(
+          high, _mm512_permutex2var_epi8(_mm512_loadu_si512(tk), idx, _mm512_loadu_si512(tk + 1)),
+          _mm512_permutex2var_epi8(_mm512_loadu_si512(tk + 2), idx, _mm512_loadu_si512(tk + 3)));
+    }
+    const __m512i lo01 = _mm512_unpacklo_epi8(plane[0], plane[1]), hi01 = _mm512_unpackhi_epi8(plane[0], plane[1]);
+    const __m512i lo23 = _mm512_unpacklo_epi8(plane[2], plane[3]), hi23 = _mm512_unpackhi_epi8(plane[2], plane[3]);
+    _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(lo01, lo23)), s));
+    _mm512_storeu_ps(out + j + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(lo01, lo23)), s));
+    _mm512_storeu_ps(out + j + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23)), s));
+    _mm512_storeu_ps(out + j + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23)), s));
   }
 }
 #else
-constexpr bool kBlockDequant = false;  // no word permutes: the per-vector gather
+constexpr bool kBlockDequant = false;  // no byte permutes: the per-vector gather
 inline void dequant_block(const uint8_t*, const Q8Map&, float, float*) {}
 #endif
 inline Acc acc_max(Acc a, F x) {

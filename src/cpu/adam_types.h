@@ -15,8 +15,8 @@ void set_prefetch_bytes(int bytes);  // 0 to 65536, or -1 for the per-vendor cho
 // on by default. Off only to measure the difference in one process (benchmarks/diag_bf16_pairs.py).
 bool bf16_pairs();
 void set_bf16_pairs(bool on);
-// Whether the 8-bit kernel dequantizes a block by word permutes where the build has them
-// (AVX512BW), instead of a gather per vector; on by default. Off only to measure the difference
+// Whether the 8-bit kernel dequantizes a block by byte permutes where the build has them
+// (AVX512_VBMI), instead of a gather per vector; on by default. Off only to measure the difference
 // in one process (benchmarks/diag_q8_dequant.py).
 bool q8_permute_dequant();
 void set_q8_permute_dequant(bool on);
@@ -107,7 +107,7 @@ static_assert(sizeof(Adam8bitScalars) == 48, "must match lowbit.ADAM8BIT_STRUCT"
 struct Q8Map {
   const float* values;
   const uint32_t* bucket;  // 65536 entries
-  const uint16_t* planes;  // the code values' bits as two 256-word planes (low halves, high halves)
+  const uint8_t* bytes;  // the code values' bits as four 256-byte planes, lowest byte first
 };
 
 struct Q8Job {

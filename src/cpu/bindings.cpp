@@ -175,8 +175,8 @@ NB_MODULE(_cpu, m) {
         "Turn the bf16 even/odd-lane loads off or on again; no bit changes, only the speed\n"
         "(benchmarks/diag_bf16_pairs.py measures both in one process).");
   m.def("q8_permute_dequant", [] { return q8_permute_dequant(); },
-        "Whether the 8-bit kernel dequantizes blocks by word permutes where the SIMD path has them\n"
-        "(AVX512BW: the avx512bf16 path; the default), not by a gather per vector.");
+        "Whether the 8-bit kernel dequantizes blocks by byte permutes where the SIMD path has them\n"
+        "(AVX512_VBMI: the avx512bf16 path; the default), not by a gather per vector.");
   m.def("set_q8_permute_dequant", [](bool on) { set_q8_permute_dequant(on); }, nb::arg("on"),
         "Turn the 8-bit kernel's permute dequantization off or on again; no bit changes, only the\n"
         "speed (benchmarks/diag_q8_dequant.py measures both in one process).");

@@ -21,9 +21,10 @@ static std::vector<IsaTable> detect() {
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
   bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  bool avx512 = avx2 && __builtin_cpu_supports("avx512f");
   if (avx512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("avx512vl"))
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vbmi"))
     isas.push_back(isa_avx512bf16::table());
   if (avx512) isas.push_back(isa_avx512::table());
   if (avx2) isas.push_back(isa_avx2::table());

@@ -17,8 +17,8 @@ constexpr int kCodes = 256;
 struct Q8Tables {
   std::vector<float> values, mid;
   std::vector<uint32_t> bucket;
-  std::vector<uint16_t> planes;
-  Q8Map view() const { return Q8Map{values.data(), bucket.data(), planes.data()}; }
+  std::vector<uint8_t> bytes;
+  Q8Map view() const { return Q8Map{values.data(), bucket.data(), bytes.data()}; }
 };
 
 inline uint32_t order_key(float x) {
@@ -33,12 +33,11 @@ inline std::unique_ptr<Q8Tables> build_q8_tables(const float* values, const floa
   auto t = std::make_unique<Q8Tables>();
   t->values.assign(values, values + kCodes);
   t->mid.assign(mids, mids + kCodes - 1);
-  t->planes.resize(2 * kCodes);
+  t->bytes.resize(4 * kCodes);
   for (int i = 0; i < kCodes; ++i) {
     uint32_t u;
     std::memcpy(&u, &values[i], 4);
-    t->planes[i] = uint16_t(u);
-    t->planes[kCodes + i] = uint16_t(u >> 16);
+    for (int k = 0; k < 4; ++k) t->bytes[k * kCodes + i] = uint8_t(u >> (8 * k));
   }
   t->bucket.assign(size_t(1) << 16, 0);
   uint32_t c = 0;
