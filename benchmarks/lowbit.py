@@ -8,12 +8,14 @@
 3. CPU step time, one interleaved run over one flat tensor: torch.optim.AdamW(fused=True), ours
    AdamW, ours AdamW8bit, bitsandbytes' AdamW8bit and torchao's AdamW8bit where importable; bf16
    params with and without stochastic rounding (its overhead). The machine is shared: only ratios
-   within one run mean anything.
+   within one run mean anything, and the ratios against the floor and the stochastic-rounding
+   overheads are taken round by round (their median, with the middle half of the rounds).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from typing import Callable
@@ -26,7 +28,7 @@ from mps_fused_adam import lowbit  # noqa: E402
 from mps_fused_adam.bench import share_states  # noqa: E402
 from mps_fused_adam.contract import AdamHyper  # noqa: E402
 from mps_fused_adam.optim8bit import state_bytes_per_param  # noqa: E402
-from mps_fused_adam.timing import interleaved  # noqa: E402
+from mps_fused_adam.timing import interleaved_rounds, ratio_spread  # noqa: E402
 from test_lowbit_training import LR, make_student, make_task  # noqa: E402
 
 
@@ -173,17 +175,24 @@ def speed(size: int, repeats: int, threads: int) -> list[str]:
         contenders["torchao AdamW8bit fp32"] = AoAdamW8bit([shared[torch.float32]]).step
     except Exception as exc:
         notes.append(f"torchao: not importable ({type(exc).__name__}: {exc})")
-    times = interleaved(contenders, repeats)
+    rounds = interleaved_rounds(contenders, repeats)
+    times = {name: statistics.median(ts) for name, ts in rounds.items()}
     base = times["torch AdamW(fused=True) fp32"]
     rows = [f"\n### {threads} thread(s)\n", "| contender | ns/elem | vs torch fused fp32 | speed vs 8-bit floor |",
             "| --- | --- | --- | --- |"]
     for name, t in times.items():
-        floor = times[FLOOR8 + (" bf16" if "bf16" in name else " fp32")]
-        of_floor = f"{floor / t:.2f}" if ("8bit" in name.lower() or name.startswith(FLOOR8)) else "-"
+        floor = FLOOR8 + (" bf16" if "bf16" in name else " fp32")
+        # Speed against the floor: the median of the round-by-round ratios, as bench.py's rows.
+        of_floor = (f"{ratio_spread(rounds[floor], rounds[name])[0]:.2f}"
+                    if ("8bit" in name.lower() or name.startswith(FLOOR8)) else "-")
         rows.append(f"| {name} | {t / size * 1e9:.3f} | {base / t:.2f}x | {of_floor} |")
-    sr = times["ours AdamW bf16 + stochastic rounding"] / times["ours AdamW bf16 (round to nearest)"] - 1
-    sr8 = times["ours AdamW8bit bf16 + stochastic rounding"] / times["ours AdamW8bit bf16"] - 1
-    rows.append(f"\nstochastic rounding overhead over round-to-nearest: bf16 AdamW {sr:+.1%}, bf16 AdamW8bit {sr8:+.1%}")
+
+    def overhead(sr_name: str, rtn_name: str) -> str:
+        mid, lo, hi = ratio_spread(rounds[sr_name], rounds[rtn_name])
+        return f"{mid - 1:+.1%} (middle half of the rounds {lo - 1:+.1%} to {hi - 1:+.1%})"
+    rows.append("\nstochastic rounding overhead over round-to-nearest, the median of the round-by-round ratios: "
+                f"bf16 AdamW {overhead('ours AdamW bf16 + stochastic rounding', 'ours AdamW bf16 (round to nearest)')}, "
+                f"bf16 AdamW8bit {overhead('ours AdamW8bit bf16 + stochastic rounding', 'ours AdamW8bit bf16')}")
     return rows + [f"\n{n}" for n in notes]
 
 
