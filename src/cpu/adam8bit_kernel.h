@@ -5,8 +5,9 @@
 // A block is two passes over L1-resident scratch: dequantize, Adam v2 with the clamp, store the
 // param, and track each moment's absmax; then requantize with the new scales. The three table
 // operations (dequantize, absmax, nearest code) are the only ISA-specific parts: byte permutes
-// (dequantize, with AVX512_VBMI) and gathers on x86, a lane loop elsewhere. Every path performs the reference's fp32 operations in its
-// order (built with -ffp-contract=off), so all paths agree bit for bit.
+// (dequantize, with AVX512_VBMI) and gathers on x86, a lane loop elsewhere. Every path performs
+// the reference's fp32 operations in its order (built with -ffp-contract=off), so all paths agree
+// bit for bit.
 #pragma once
 
 namespace q8 {
