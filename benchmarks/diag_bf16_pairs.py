@@ -9,14 +9,13 @@ arithmetic alone, no memory stalls), which bounds what any thread count can reac
 import argparse
 import os
 import platform
-import time
 
 import torch
 
 from mps_fused_adam import _cpu, bench_rules
 from mps_fused_adam.bench import _DTYPE_CODES, _contenders, _params
 from mps_fused_adam.contract import RULES, AdamHyper, LionHyper
-from mps_fused_adam.timing import interleaved
+from mps_fused_adam.timing import alternated_best, interleaved
 
 BF16 = torch.bfloat16
 
@@ -46,21 +45,9 @@ def in_cache(rule, n=16384, reps=128):
             else RULES["adagrad"].pack(bench_rules.HYPER["adagrad"]))
     args = ([p.data_ptr()] * reps, [g.data_ptr()] * reps, [[s.data_ptr()] * reps for s in st], [n] * reps,
             _DTYPE_CODES[BF16], _DTYPE_CODES[BF16], blob, 1)
-    out = {}
-    for on in (False, True, False, True):  # alternated, best of each
-        _cpu.set_bf16_pairs(on)
-        for _ in range(5):
-            _cpu.step(kernel, *args)
-        best = min(_timed(lambda: _cpu.step(kernel, *args)) for _ in range(20))
-        out[on] = min(out.get(on, 1e9), best / (n * reps) * 1e9)
+    best = alternated_best(_cpu.set_bf16_pairs, lambda: _cpu.step(kernel, *args))
     _cpu.set_bf16_pairs(True)
-    return out
-
-
-def _timed(fn):
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+    return {on: t / (n * reps) * 1e9 for on, t in best.items()}
 
 
 def main():

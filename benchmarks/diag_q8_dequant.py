@@ -10,7 +10,6 @@ import argparse
 import os
 import platform
 import sys
-import time
 
 import torch
 
@@ -19,7 +18,7 @@ import mps_fused_adam as mfa  # noqa: E402
 from mps_fused_adam import _cpu, lowbit  # noqa: E402
 from mps_fused_adam.contract import AdamHyper  # noqa: E402
 from mps_fused_adam.optim8bit import _PARAM_CODES  # noqa: E402
-from mps_fused_adam.timing import interleaved  # noqa: E402
+from mps_fused_adam.timing import alternated_best, interleaved  # noqa: E402
 from lowbit import _floor8  # noqa: E402
 
 
@@ -53,21 +52,10 @@ def in_cache(dtype, n=65536, calls=40):
     ``calls``, permutes on and off alternated."""
     p, opt = optimizer(n, dtype)
     args = kernel_args(p, opt.state[p], 1)
-    out = {}
-    for on in (False, True, False, True):
-        _cpu.set_q8_permute_dequant(on)
-        for _ in range(5):
-            _cpu.adam8bit_step(*args)
-        best = min(_timed(lambda: [_cpu.adam8bit_step(*args) for _ in range(8)]) for _ in range(calls))
-        out[on] = min(out.get(on, 1e9), best / (8 * n) * 1e9)
+    best = alternated_best(_cpu.set_q8_permute_dequant, lambda: [_cpu.adam8bit_step(*args) for _ in range(8)],
+                           calls=calls)
     _cpu.set_q8_permute_dequant(True)
-    return out
-
-
-def _timed(fn):
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+    return {on: t / (8 * n) * 1e9 for on, t in best.items()}
 
 
 def main():

@@ -83,3 +83,20 @@ def test_contenders_share_params_grads_and_moments():
     for fn in found.values():  # every contender still steps, each on the shared tensors
         fn()
     assert all(torch.isfinite(p).all() for p in params)
+
+
+def test_alternated_best_times_each_setting_in_turn():
+    """The on/off helper of the diagnostics: each setting is switched on in turn, ``rounds``
+    times, and the fastest call of each is reported (a setting that sleeps is the slower one)."""
+    import time
+    from mps_fused_adam.timing import alternated_best
+    seen, state = [], {}
+
+    def switch(on):
+        seen.append(on)
+        state["on"] = on
+
+    best = alternated_best(switch, lambda: time.sleep(0.002 if state["on"] else 0), rounds=2, calls=3, warmup=1)
+    assert seen == [False, True, False, True]
+    assert set(best) == {False, True}
+    assert best[True] >= 0.002 > best[False]

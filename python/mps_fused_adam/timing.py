@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -51,3 +51,23 @@ def ratio_spread(numerator: list[float], denominator: list[float]) -> tuple[floa
         return statistics.median(ratios), ratios[0], ratios[-1]
     q1, _, q3 = statistics.quantiles(ratios, n=4)
     return statistics.median(ratios), q1, q3
+
+
+def alternated_best(switch: Callable[[Any], None], call: Callable[[], None], settings: tuple = (False, True),
+                    rounds: int = 2, calls: int = 20, warmup: int = 5) -> dict[Any, float]:
+    """Fastest seconds of one ``call`` under each setting of ``switch`` (a toggle such as
+    ``_cpu.set_bf16_pairs``), the settings alternated ``rounds`` times, each time after ``warmup``
+    untimed calls: an on/off comparison of the same kernel on the same data in one process. The
+    caller restores the default setting."""
+    best: dict[Any, float] = {}
+    for _ in range(rounds):
+        for setting in settings:
+            switch(setting)
+            for _ in range(warmup):
+                call()
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                call()
+                best[setting] = min(best.get(setting, float("inf")), time.perf_counter() - t0)
+    return best
+
