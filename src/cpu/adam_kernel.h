@@ -65,20 +65,8 @@ template <> struct ParamStorage<bf16sr> {
                                  _mm512_xor_si512(_mm512_mullo_epi32(lo, _mm512_set1_epi32(int(0x9E3779B9u))),
                                                   _mm512_mullo_epi32(hi, _mm512_set1_epi32(int(0x85EBCA77u))))));
   }
-  // x >> 16 in each 32-bit lane. With AVX512BW as a byte shuffle: on Intel, 512-bit shifts and
-  // multiplies issue on port 0 only and shuffles on port 5, so moving the hash's shifts by 16 there
-  // made stochastic rounding 3 to 6 points cheaper over round to nearest on the Xeon (bf16 Adam,
-  // 1 thread, benchmarks/diag_sr_hash.cpp); no change on the EPYC.
-  static inline __m512i shr16(__m512i x) {
-#if defined(__AVX512BW__)
-    return _mm512_shuffle_epi8(x, _mm512_set4_epi32(int(0x80800F0Eu), int(0x80800B0Au), int(0x80800706u),
-                                                    int(0x80800302u)));
-#else
-    return _mm512_srli_epi32(x, 16);
-#endif
-  }
   // fmix32 without its last step, h ^= h >> 16, which leaves the top 16 bits unchanged.
-  static inline __m512i fmix(__m512i h) { return fmix_rest(_mm512_xor_si512(h, shr16(h))); }
+  static inline __m512i fmix(__m512i h) { return fmix_rest(_mm512_xor_si512(h, _mm512_srli_epi32(h, 16))); }
   // fmix32 after its first step, h ^= h >> 16 (and without its last).
   static inline __m512i fmix_rest(__m512i h) {
     h = _mm512_mullo_epi32(h, _mm512_set1_epi32(int(0x85EBCA6Bu)));
@@ -92,13 +80,13 @@ template <> struct ParamStorage<bf16sr> {
   // to +18% over round to nearest on the EPYC (benchmarks/diag_sr_hash.cpp).
   static inline __m512i folded_key(uint32_t k) { return _mm512_set1_epi32(int(k ^ (k >> 16))); }
   static inline __m512i fmix_keyed(__m512i folded, __m512i b) {
-    return fmix_rest(_mm512_ternarylogic_epi32(folded, b, shr16(b), 0x96));
+    return fmix_rest(_mm512_ternarylogic_epi32(folded, b, _mm512_srli_epi32(b, 16), 0x96));
   }
   // 32-bit words whose high halves are x's stochastically rounded bf16 bits (sr_round); NaN
   // lanes take 0x7FC00000 through the add's mask rather than a separate blend.
   static inline __m512i add_random(__m512 x, __m512i h) {
     return _mm512_mask_add_epi32(_mm512_set1_epi32(0x7FC00000), _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q),
-                                 _mm512_castps_si512(x), shr16(h));
+                                 _mm512_castps_si512(x), _mm512_srli_epi32(h, 16));
   }
   static inline void store(T* dst, __m512 x, uint32_t key, int64_t index) {
     const __m512i r = add_random(x, hash(key, index, 1));
@@ -126,7 +114,7 @@ template <> struct ParamStorage<bf16sr> {
       he = hash(key, index, 2);
       ho = hash(key, index + 1, 2);
     }
-    const __m512i re = shr16(add_random(even, he));
+    const __m512i re = _mm512_srli_epi32(add_random(even, he), 16);
     const __m512i ro = add_random(odd, ho);
     // Element 2k is even's lane k (the low half of word k), element 2k + 1 odd's (the high half).
 #if defined(__AVX512BW__)
