@@ -7,8 +7,9 @@
 //            (adding the random bits, NaN lanes, packing the pair)
 //   onemul   fmix32's first shift, xor and multiply only
 //   aes2     two AES rounds (vaesenc) per 16 lanes in place of fmix32
-// Built from commit 99a63d6's src/cpu (before fmix32's first step was folded into the key and NaN
-// lanes into the add's mask), the same harness measures the kernel's earlier code.
+// "fmix32, byte shuffles" is the contract's bits with the kernel's shifts by 16 done as byte
+// shuffles. Built from commit 99a63d6's src/cpu (before fmix32's first step was folded into
+// the key and NaN lanes into the add's mask), the same harness measures the kernel's earlier code.
 // Every variant runs the kernel's real span loop (span_kernel) on the same huge-page buffers,
 // alternating with round to nearest, and prints the median of the per-round ratios. The stand-ins
 // change the bits; they are timing probes, not candidates (README: stochastic rounding).
@@ -37,7 +38,7 @@ namespace isa {
 #include "isa_x86.h"
 #include "adam_kernel.h"
 
-enum class Mix { None, OneMul, Aes2 };
+enum class Mix { None, OneMul, Aes2, Shuffles };
 template <Mix M> struct Probe { uint16_t bits; };
 template <Mix M> __m512i mix(__m512i h) {
   if constexpr (M == Mix::OneMul) {
@@ -62,6 +63,37 @@ template <Mix M> struct ParamStorage<Probe<M>> {
     const __m512i ho = mix<M>(_mm512_xor_si512(k, _mm512_add_epi32(base, _mm512_set1_epi32(int(0x9E3779B9u)))));
     const __m512i re = _mm512_srli_epi32(SR::add_random(even, he), 16);
     _mm512_storeu_si512(dst, _mm512_mask_blend_epi16(0x55555555u, SR::add_random(odd, ho), re));
+  }
+  static inline void store(T* dst, __m512 x, uint32_t key, int64_t index) { SR::store(dst, x, key, index); }
+};
+
+// Shuffles: the contract's bits as the kernel computes them, with every ">> 16" a byte shuffle
+// (vpshufb) instead of a shift: on Intel, 512-bit shifts and multiplies issue on port 0 only and
+// shuffles on port 5. Measured, not adopted (README: stochastic rounding).
+static inline __m512i hi16(__m512i x) {
+  return _mm512_shuffle_epi8(x, _mm512_set4_epi32(int(0x80800F0Eu), int(0x80800B0Au), int(0x80800706u),
+                                                  int(0x80800302u)));
+}
+static inline __m512i add_random_shuffled(__m512 x, __m512i h) {
+  return _mm512_mask_add_epi32(_mm512_set1_epi32(0x7FC00000), _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q),
+                               _mm512_castps_si512(x), hi16(h));
+}
+static inline __m512i fmix_keyed_shuffled(__m512i folded, __m512i b) {
+  return ParamStorage<bf16sr>::fmix_rest(_mm512_ternarylogic_epi32(folded, b, hi16(b), 0x96));
+}
+template <> struct ParamStorage<Probe<Mix::Shuffles>> {
+  using T = bf16;
+  using SR = ParamStorage<bf16sr>;
+  template <class V = Vec>
+  static inline void store_pair(T* dst, __m512 even, __m512 odd, uint32_t key, int64_t index) {
+    const uint32_t lo0 = uint32_t(uint64_t(index));
+    if (lo0 > 0xFFFFFFFFu - 31u) return SR::store_pair(dst, even, odd, key, index);  // as the kernel
+    const __m512i k = SR::folded_key(key ^ (uint32_t(uint64_t(index) >> 32) * 0x85EBCA77u));
+    const __m512i base = _mm512_add_epi32(_mm512_set1_epi32(int(lo0 * 0x9E3779B9u)), SR::lane_products(2));
+    const __m512i he = fmix_keyed_shuffled(k, base);
+    const __m512i ho = fmix_keyed_shuffled(k, _mm512_add_epi32(base, _mm512_set1_epi32(int(0x9E3779B9u))));
+    const __m512i re = hi16(add_random_shuffled(even, he));
+    _mm512_storeu_si512(dst, _mm512_mask_blend_epi16(0x55555555u, add_random_shuffled(odd, ho), re));
   }
   static inline void store(T* dst, __m512 x, uint32_t key, int64_t index) { SR::store(dst, x, key, index); }
 };
@@ -102,6 +134,7 @@ int main(int argc, char** argv) {
   sp.sr_key = 0x2545F491u;
   const struct { const char* name; Kernel fn; } sr[] = {
       {"fmix32 (the contract)", isa::span_kernel<isa::AdamRule, bf16sr, bf16>},
+      {"fmix32, byte shuffles", isa::span_kernel<isa::AdamRule, isa::Probe<isa::Mix::Shuffles>, bf16>},
       {"none (no hash)", isa::span_kernel<isa::AdamRule, isa::Probe<isa::Mix::None>, bf16>},
       {"onemul", isa::span_kernel<isa::AdamRule, isa::Probe<isa::Mix::OneMul>, bf16>},
       {"aes2", isa::span_kernel<isa::AdamRule, isa::Probe<isa::Mix::Aes2>, bf16>},
