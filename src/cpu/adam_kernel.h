@@ -76,8 +76,9 @@ template <> struct ParamStorage<bf16sr> {
   // fmix(k ^ b) for a key k that is the same in every lane, given folded_key(k): the shift
   // distributes over the xor, (k ^ b) ^ ((k ^ b) >> 16) = (k ^ k >> 16) ^ b ^ (b >> 16), so the
   // key's half is computed once per call and the rest is one three-way xor (vpternlogd). In the
-  // bf16 Adam step at 1 thread, this and the masked add below took stochastic rounding from +26%
-  // to +18% over round to nearest on the EPYC (benchmarks/diag_sr_hash.cpp).
+  // bf16 Adam step at 1 thread, this and the masked add below took stochastic rounding from +24%
+  // to +26% over round to nearest to +17% to +20% on the EPYC, from memory
+  // (benchmarks/diag_sr_hash.cpp, sr_hash_2core.txt).
   static inline __m512i folded_key(uint32_t k) { return _mm512_set1_epi32(int(k ^ (k >> 16))); }
   static inline __m512i fmix_keyed(__m512i folded, __m512i b) {
     return fmix_rest(_mm512_ternarylogic_epi32(folded, b, _mm512_srli_epi32(b, 16), 0x96));
@@ -105,7 +106,6 @@ template <> struct ParamStorage<bf16sr> {
     const uint32_t lo0 = uint32_t(uint64_t(index));
     if (lo0 <= 0xFFFFFFFFu - 31u) {
       // Both vectors' index products from one broadcast: (lo0 + 2k + 1) * C = (lo0 + 2k) * C + C.
-
       const __m512i k = folded_key(key ^ (uint32_t(uint64_t(index) >> 32) * 0x85EBCA77u));
       const __m512i base = _mm512_add_epi32(_mm512_set1_epi32(int(lo0 * 0x9E3779B9u)), lane_products(2));
       he = fmix_keyed(k, base);
