@@ -1,8 +1,8 @@
 // What stochastic rounding's random bits cost in the bf16 Adam step (bf16 params and states, the
 // avx512bf16 pair path of src/cpu/adam_kernel.h), 1 thread, against round to nearest, with the
 // contract's hash (fmix32 of the index product) and with stand-ins that do NOT follow the
-// contract, to bound what any hash could save (the kernel computes the same either way:
-// only the mixing step differs):
+// contract, to bound what any hash could save (each keeps the kernel's index products, rounding
+// and packing; only the mixing step differs):
 //   none     no mixing at all (the key xor the index product): what the rounding costs without a hash
 //            (adding the random bits, NaN lanes, packing the pair)
 //   onemul   fmix32's first shift, xor and multiply only
@@ -78,8 +78,13 @@ static inline __m512i add_random_shuffled(__m512 x, __m512i h) {
   return _mm512_mask_add_epi32(_mm512_set1_epi32(0x7FC00000), _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q),
                                _mm512_castps_si512(x), hi16(h));
 }
+// fmix32 of k ^ b without its last step, given folded = k ^ (k >> 16) (as the kernel computes it;
+// written out here so that the harness also builds against the kernel's earlier code).
 static inline __m512i fmix_keyed_shuffled(__m512i folded, __m512i b) {
-  return ParamStorage<bf16sr>::fmix_rest(_mm512_ternarylogic_epi32(folded, b, hi16(b), 0x96));
+  __m512i h = _mm512_ternarylogic_epi32(folded, b, hi16(b), 0x96);
+  h = _mm512_mullo_epi32(h, _mm512_set1_epi32(int(0x85EBCA6Bu)));
+  h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
+  return _mm512_mullo_epi32(h, _mm512_set1_epi32(int(0xC2B2AE35u)));
 }
 template <> struct ParamStorage<Probe<Mix::Shuffles>> {
   using T = bf16;
@@ -88,7 +93,8 @@ template <> struct ParamStorage<Probe<Mix::Shuffles>> {
   static inline void store_pair(T* dst, __m512 even, __m512 odd, uint32_t key, int64_t index) {
     const uint32_t lo0 = uint32_t(uint64_t(index));
     if (lo0 > 0xFFFFFFFFu - 31u) return SR::store_pair(dst, even, odd, key, index);  // as the kernel
-    const __m512i k = SR::folded_key(key ^ (uint32_t(uint64_t(index) >> 32) * 0x85EBCA77u));
+    const uint32_t kk = key ^ (uint32_t(uint64_t(index) >> 32) * 0x85EBCA77u);
+    const __m512i k = _mm512_set1_epi32(int(kk ^ (kk >> 16)));
     const __m512i base = _mm512_add_epi32(_mm512_set1_epi32(int(lo0 * 0x9E3779B9u)), SR::lane_products(2));
     const __m512i he = fmix_keyed_shuffled(k, base);
     const __m512i ho = fmix_keyed_shuffled(k, _mm512_add_epi32(base, _mm512_set1_epi32(int(0x9E3779B9u))));
