@@ -21,6 +21,9 @@ if [ "${#RELEASES[@]}" -eq 0 ]; then
 fi
 BASE_SITE="$("$BASE_PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/mfa-ds-releases.XXXXXX")"
+# One DeepSpeed environment per release: removed when the script ends, pass or fail;
+# MFA_KEEP_WORK=1 keeps them.
+[ "${MFA_KEEP_WORK:-0}" = 1 ] || trap 'rm -rf "$WORK"' EXIT
 printf 'torch==2.13.0\n' > "$WORK/constraints.txt"
 
 for v in "${RELEASES[@]}"; do

@@ -11,6 +11,10 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python3}"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/mfa-wheel.XXXXXX")"
+# The build and a virtual environment with torch (over a gigabyte) are removed when the script
+# ends, pass or fail, unless MFA_VENV_LINK hands the environment on (the caller then removes it:
+# .ci/run) or MFA_KEEP_WORK=1 keeps it.
+if [ "${MFA_KEEP_WORK:-0}" != 1 ] && [ -z "${MFA_VENV_LINK:-}" ]; then trap 'rm -rf "$WORK"' EXIT; fi
 echo "release check in $WORK"
 
 "$PY" -m pip install -q build auditwheel

@@ -12,6 +12,9 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python3}"
 MIN_PASSED="${MIN_PASSED:?set MIN_PASSED, the floor of tests that must pass}"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/mfa-readme.XXXXXX")"
+# A virtual environment with torch (over a gigabyte): removed when the script ends, pass or fail
+# (everything worth reading is printed); MFA_KEEP_WORK=1 keeps it.
+[ "${MFA_KEEP_WORK:-0}" = 1 ] || trap 'rm -rf "$WORK"' EXIT
 echo "README set-up check in $WORK"
 
 # A fresh clone's files: what git tracks, as they are in the working tree (no build/, no _site/).
