@@ -10,7 +10,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 import torch
 
@@ -18,6 +17,7 @@ import torch
 def child(threads: int, dtype_name: str, size: int, steps: int) -> None:
     from mps_fused_adam import AdamW
     from mps_fused_adam.bench import _floor_fn
+    from mps_fused_adam.timing import interleaved
     torch.set_num_threads(threads)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     p = torch.nn.Parameter(torch.randn(size).to(dtype))
@@ -25,16 +25,8 @@ def child(threads: int, dtype_name: str, size: int, steps: int) -> None:
     opt = AdamW([p], weight_decay=0.01)
     opt.step()
     floor = _floor_fn([p], [[opt.state[p]["exp_avg"]], [opt.state[p]["exp_avg_sq"]]], dtype, dtype)
-    ours, floors = [], []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        opt.step()
-        t1 = time.perf_counter()
-        floor()
-        t2 = time.perf_counter()
-        ours.append((t1 - t0) / size * 1e9)
-        floors.append((t2 - t1) / size * 1e9)
-    print(f"{statistics.median(ours):.3f} {statistics.median(floors):.3f}")
+    t = interleaved({"ours": opt.step, "floor": floor}, steps)
+    print(f"{t['ours'] / size * 1e9:.3f} {t['floor'] / size * 1e9:.3f}")
 
 
 def main() -> None:
