@@ -15,6 +15,7 @@ from .contract import AdamHyper
 from .lowbit import MIN_8BIT_SIZE, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE, num_blocks
 from .backends import CPUBackend, get_backend, update_staged
 from .optim import _optimizer_method
+from .step_entry import fast_step_entry
 from .reference_lowbit import reference_adam8bit_, reference_adam_sr_
 
 _Params = Iterable[Any]
@@ -109,6 +110,7 @@ class _Adam8bitBase(torch.optim.Optimizer):
             st[SEED_KEY] = lowbit.new_sr_seed()
         return st
 
+    @fast_step_entry
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
