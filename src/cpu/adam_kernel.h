@@ -173,8 +173,9 @@ inline void pair_step(const Rule& rule, bf16* p, const bf16* g, bf16* const* st,
 // Vectors per loop iteration: a build-time knob for tuning; 2 is the measured choice (16-core
 // Xeon, AVX-512: unrolling 4 vectors was no better; 2-core EPYC, fp32, in one run each: 4 vectors
 // 1.00x and 0.99x at 1 and 2 threads, 8 vectors with the loads grouped by stream 0.64x and 0.88x,
-// 2 vectors with the loads grouped by stream, as DeepSpeed's loop has them, 1.01x and 1.01x). The prefetch distance is chosen at run time
-// per CPU vendor and dtypes (prefetch_bytes(), adam_types.h).
+// 2 vectors with the loads grouped by stream, as DeepSpeed's loop has them, 1.01x and 1.01x).
+// The prefetch distance is chosen at run time per CPU vendor and dtypes (prefetch_bytes(),
+// adam_types.h).
 #ifndef MFA_UNROLL
 #define MFA_UNROLL 2
 #endif
