@@ -349,32 +349,46 @@ def test_group_of_1000_tensors_matches_reference():
     assert uses(m.plan()) == 3
 
 
-@pytest.mark.parametrize("where", ["param", "state", "grad"])
+@pytest.mark.parametrize("where", ["param", "state", "grad", "no grad", "state object"])
 @pytest.mark.parametrize("index", [0, 350, 699])
 def test_check_shared_over_threads_sees_a_change_in_every_part(where, index):
-    """A large group's shim reads are split over pool threads (step_plan.cpp, ShimCheck): whichever
-    part holds the change, and however many threads share the reads, the check rejects the step;
-    otherwise it hands back every grad and its address in entry order."""
+    """A large group's shim reads are split over pool threads (step_plan.cpp, ShimCheck), those of
+    the planned params and states running while the caller reads the grads and state dicts:
+    whichever part holds the change (a shim read: param, state, grad; a Python read: a grad gone,
+    a state tensor replaced by another object), and however many threads share the reads, the
+    check rejects the step and hands back nothing; otherwise it hands back every grad and its
+    address in entry order, and keeps no grad alive."""
     m = Mirror([(4,)] * 700)
     m.step()
     m.step()
     plan = m.plan().native
     for p in m.params:
         p.grad = torch.randn(4)
+    counts = [p.grad._use_count() for p in m.params]
     for threads in (1, 2, 5):
         grads, addresses = [], []
         assert plan.check(m.params, grads, addresses, threads)
         assert [g is p.grad for g, p in zip(grads, m.params)] == [True] * 700
         assert addresses == [p.grad.data_ptr() for p in m.params]
+    del grads
+    assert [p.grad._use_count() for p in m.params] == counts
     p = m.params[index]
     if where == "param":
         p.data = torch.randn(4)
     elif where == "state":
         m.opt.state[p]["exp_avg_sq"].data = torch.zeros(4)
-    else:
+    elif where == "grad":
         p.grad.data = torch.randn(3)
+    elif where == "no grad":
+        p.grad = None
+    else:
+        m.opt.state[p]["exp_avg"] = m.opt.state[p]["exp_avg"].clone()
     for threads in (1, 2, 5):
-        assert not plan.check(m.params, [], [], threads)
+        grads, addresses = [], []
+        assert not plan.check(m.params, grads, addresses, threads)
+        assert grads == [] and addresses == []
+    assert [q.grad._use_count() for q in m.params if q.grad is not None] == [
+        c for q, c in zip(m.params, counts) if q.grad is not None]
 
 
 def test_mps_buffers_match_mps_buffer():

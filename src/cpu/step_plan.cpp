@@ -241,7 +241,18 @@ class GroupPlan {
   // then `grads` and `grad_addresses` hold those grads and their addresses, in entry order.
   // Writes nothing else, so a false answer leaves everything as it was.
   bool check(nb::list params, nb::list grads, nb::list grad_addresses, int threads) const {
-    if (!handles_.empty() && TensorHandles::active()) return check_handles(params, grads, grad_addresses, threads);
+    const bool ok = !handles_.empty() && TensorHandles::active() ? check_handles(params, grads, grad_addresses, threads)
+                                                                 : check_attributes(params, grads, grad_addresses);
+    if (!ok) {  // hand back nothing, not the grads read before the mismatch
+      if (PyList_SetSlice(grads.ptr(), 0, PyList_GET_SIZE(grads.ptr()), nullptr) != 0 ||
+          PyList_SetSlice(grad_addresses.ptr(), 0, PyList_GET_SIZE(grad_addresses.ptr()), nullptr) != 0)
+        PyErr_Clear();
+    }
+    return ok;
+  }
+
+  // check() through the tensors' Python attributes.
+  bool check_attributes(nb::list params, nb::list grads, nb::list grad_addresses) const {
     Names& n = names();
     PyObject* plist = params.ptr();
     if (!idle_unchanged(plist)) return false;
@@ -343,16 +354,50 @@ class GroupPlan {
 
   // check() with the planned tensors' metadata read through their handles, and the new grads'
   // through handles made for this call: the same conditions, a few Python calls per tensor
-  // instead of about a dozen. The Python part (list, state dicts, grad attributes) runs here, with
-  // the GIL; the shim part, mostly cache misses on each tensor's TensorImpl and storage after a
-  // kernel pass has flushed the caches, is split over `threads` pool threads for large groups.
+  // instead of about a dozen. The Python part (list, state dicts, grad attributes) runs on the
+  // caller, with the GIL. The shim part, mostly cache misses on each tensor's TensorImpl and
+  // storage after a kernel pass has flushed the caches, goes to pool threads in large groups:
+  // the planned params and states while the caller does the Python part (they do not depend on
+  // this step's grads), then the new grads.
   bool check_handles(nb::list params, nb::list grads, nb::list grad_addresses, int threads) const {
-    Names& n = names();
     PyObject* plist = params.ptr();
     if (!idle_unchanged(plist)) return false;
     const size_t count = entries_.size();
-    nb::list gs;  // this step's grads, in entry order
+    // Each pool thread takes at least kShimChunk entries: below that, waking it costs more than
+    // its share of the misses.
+    constexpr size_t kShimChunk = 128;
+    const int parts = int(std::max<size_t>(1, std::min<size_t>(size_t(std::max(threads, 1)), count / kShimChunk)));
+    ShimCheck job{this, plist, nb::list(), std::vector<uintptr_t>(count), {}, {}, {}, count, parts, {}};
+    job.python_ok = true;
+    if (parts > 1) {
+      // Thread 0 is the caller, which holds the GIL: it alone touches Python objects.
+      mfa::ThreadPool::instance().run(parts, &ShimCheck::run_planned, &job);
+    } else {
+      job.python_ok = python_reads(plist, job.gs);
+      if (job.python_ok && !shim_planned(0, count)) job.failed.store(true, std::memory_order_relaxed);
+    }
+    if (!job.python_ok || job.failed.load(std::memory_order_relaxed)) return false;
+    HandleBatch batch;
+    if (!TensorHandles::alloc(job.gs.ptr(), batch.handles) || batch.handles.size() != count) return false;
+    job.grad_handles = batch.handles.data();
+    if (parts > 1) mfa::ThreadPool::instance().run(parts, &ShimCheck::run_grads, &job);
+    else ShimCheck::run_grads(&job, 0);
+    if (job.failed.load(std::memory_order_relaxed)) return false;
     for (size_t i = 0; i < count; ++i) {
+      PyObject* a = PyLong_FromUnsignedLongLong(job.grad_addrs[i]);
+      bool ok = a != nullptr && PyList_Append(grads.ptr(), PyList_GET_ITEM(job.gs.ptr(), i)) == 0 &&
+                PyList_Append(grad_addresses.ptr(), a) == 0;
+      Py_XDECREF(a);
+      if (!ok) { PyErr_Clear(); return false; }
+    }
+    return true;
+  }
+
+  // The Python reads of check_handles(): each entry's param in its place, its state dict as
+  // planned, and its grad (appended to `gs`, in entry order). With the GIL.
+  bool python_reads(PyObject* plist, nb::list& gs) const {
+    Names& n = names();
+    for (size_t i = 0; i < entries_.size(); ++i) {
       const Entry& e = entries_[i];
       PyObject* p = e.p.get();
       if (PyList_GET_ITEM(plist, e.index) != p || !state_unchanged(i, /*addresses=*/false)) return false;
@@ -363,31 +408,13 @@ class GroupPlan {
       Py_DECREF(g);
       if (none) return false;
     }
-    HandleBatch batch;
-    if (!TensorHandles::alloc(gs.ptr(), batch.handles) || batch.handles.size() != count) return false;
-    ShimCheck job{this, batch.handles.data(), std::vector<uintptr_t>(count), {}, count, 1};
-    // Each pool thread takes at least kShimChunk entries: below that, waking it costs more than
-    // its share of the misses.
-    constexpr size_t kShimChunk = 128;
-    job.parts = int(std::max<size_t>(1, std::min<size_t>(size_t(std::max(threads, 1)), count / kShimChunk)));
-    if (job.parts > 1) mfa::ThreadPool::instance().run(job.parts, &ShimCheck::run, &job);
-    else ShimCheck::run(&job, 0);
-    if (job.failed.load(std::memory_order_relaxed)) return false;
-    for (size_t i = 0; i < count; ++i) {
-      PyObject* a = PyLong_FromUnsignedLongLong(job.grad_addrs[i]);
-      bool ok = a != nullptr && PyList_Append(grads.ptr(), PyList_GET_ITEM(gs.ptr(), i)) == 0 &&
-                PyList_Append(grad_addresses.ptr(), a) == 0;
-      Py_XDECREF(a);
-      if (!ok) { PyErr_Clear(); return false; }
-    }
     return true;
   }
 
-  // The shim reads of check_handles() for entries [begin, end): no Python, so pool threads can
+  // The shim reads of the planned tensors for entries [begin, end): no Python, so pool threads
   // run it while the caller holds the GIL. Each param: nothing that validation looked at may have
-  // moved (.data assignment, resize); its states: the planned addresses; its grad, a new tensor
-  // every step: every property the kernel relies on.
-  bool shim_unchanged(size_t begin, size_t end, void* const* grad_handles, uintptr_t* grad_addrs) const {
+  // moved (.data assignment, resize); its states: the planned addresses.
+  bool shim_planned(size_t begin, size_t end) const {
     const size_t k = keys_.size();
     for (size_t i = begin; i < end; ++i) {
       TensorMeta m;
@@ -400,6 +427,16 @@ class GroupPlan {
             reinterpret_cast<uintptr_t>(data) != state_addrs_[i * k + j])
           return false;
       }
+    }
+    return true;
+  }
+
+  // The new grads of entries [begin, end), a new tensor every step: every property the kernel
+  // relies on. Their handles are released by the caller, with the GIL: in torch 2.13, dropping a
+  // tensor's second-to-last C++ reference releases its Python object (c10/util/intrusive_ptr.h).
+  bool shim_grads(size_t begin, size_t end, void* const* grad_handles, uintptr_t* grad_addrs) const {
+    for (size_t i = begin; i < end; ++i) {
+      TensorMeta m;
       if (!TensorHandles::meta(grad_handles[i], &m) || !m.contiguous || !same_as_planned(m, planned_[i]))
         return false;
       grad_addrs[i] = reinterpret_cast<uintptr_t>(m.data);
@@ -409,15 +446,38 @@ class GroupPlan {
 
   struct ShimCheck {
     const GroupPlan* plan;
-    void* const* grad_handles;
+    PyObject* plist;
+    nb::list gs;  // this step's grads, in entry order (thread 0 only)
     std::vector<uintptr_t> grad_addrs;
     std::atomic<bool> failed;
+    bool python_ok;
+    void* const* grad_handles;
     size_t count;
     int parts;
-    static void run(void* ctx, int part) {
+    // Phase 1: thread 0 (the caller) the Python reads, the others the planned tensors, in chunks
+    // taken in turn; thread 0 joins them when its Python part is done.
+    static constexpr size_t kChunk = 32;
+    std::atomic<size_t> next_chunk;
+    void planned_chunks() {
+      for (;;) {
+        const size_t begin = next_chunk.fetch_add(kChunk, std::memory_order_relaxed);
+        if (begin >= count || failed.load(std::memory_order_relaxed)) return;
+        if (!plan->shim_planned(begin, std::min(count, begin + kChunk))) failed.store(true, std::memory_order_relaxed);
+      }
+    }
+    static void run_planned(void* ctx, int part) {
+      auto* j = static_cast<ShimCheck*>(ctx);
+      if (part == 0) {
+        j->python_ok = j->plan->python_reads(j->plist, j->gs);
+        if (!j->python_ok) j->failed.store(true, std::memory_order_relaxed);  // the others may stop
+      }
+      j->planned_chunks();
+    }
+    // Phase 2: the grads, split over every thread.
+    static void run_grads(void* ctx, int part) {
       auto* j = static_cast<ShimCheck*>(ctx);
       const size_t begin = j->count * size_t(part) / size_t(j->parts), end = j->count * size_t(part + 1) / size_t(j->parts);
-      if (!j->plan->shim_unchanged(begin, end, j->grad_handles, j->grad_addrs.data()))
+      if (!j->plan->shim_grads(begin, end, j->grad_handles, j->grad_addrs.data()))
         j->failed.store(true, std::memory_order_relaxed);
     }
   };
@@ -481,7 +541,8 @@ void register_step_plan(nb::module_& m) {
            nb::arg("active"), nb::arg("idle"))
       .def("check", &GroupPlan::check, nb::arg("params"), nb::arg("grads"), nb::arg("grad_addresses"),
            nb::arg("threads") = 1,
-           "True when nothing planned changed; fills grads and grad_addresses in entry order.\n"
+           "True when nothing planned changed; fills grads and grad_addresses in entry order (emptied\n"
+           "when False).\n"
            "`threads`: pool threads that may share the tensor reads of a large group.")
       .def("set_steps", &GroupPlan::set_steps, nb::arg("begin"), nb::arg("end"), nb::arg("step"),
            "Write `step` into the state dicts of entries [begin, end).")
