@@ -349,9 +349,20 @@ def test_group_of_1000_tensors_matches_reference():
     assert uses(m.plan()) == 3
 
 
+@pytest.fixture(params=["torch openmp", "own pool"])
+def pool(request):
+    """The pool that shares a large group's reads: torch's OpenMP threads (the default where found),
+    where the planned tensors' shim reads overlap the caller's Python reads, and our own pool, where
+    they follow them (no Python runs inside our pool's run: step_plan.cpp says why)."""
+    from mps_fused_adam import _cpu
+    _cpu.use_torch_openmp(request.param == "torch openmp")
+    yield request.param
+    _cpu.use_torch_openmp(True)
+
+
 @pytest.mark.parametrize("where", ["param", "state", "grad", "no grad", "state object"])
 @pytest.mark.parametrize("index", [0, 350, 699])
-def test_check_shared_over_threads_sees_a_change_in_every_part(where, index):
+def test_check_shared_over_threads_sees_a_change_in_every_part(where, index, pool):
     """A large group's shim reads are split over pool threads (step_plan.cpp, ShimCheck), those of
     the planned params and states running while the caller reads the grads and state dicts:
     whichever part holds the change (a shim read: param, state, grad; a Python read: a grad gone,
@@ -389,6 +400,49 @@ def test_check_shared_over_threads_sees_a_change_in_every_part(where, index):
         assert grads == [] and addresses == []
     assert [q.grad._use_count() for q in m.params if q.grad is not None] == [
         c for q, c in zip(m.params, counts) if q.grad is not None]
+
+
+class _ObservedGradParam(torch.nn.Parameter):
+    """A param whose ``grad`` is a Python property that runs torch operators (and counts its
+    reads): the check then runs Python code in its Python part."""
+
+    reads = 0
+
+    @property
+    def grad(self):
+        type(self).reads += 1
+        torch.ones(1 << 16).add_(1.0).sum()  # an operator that may use torch's threads
+        return torch.nn.Parameter.grad.__get__(self)
+
+    @grad.setter
+    def grad(self, value):
+        torch.nn.Parameter.grad.__set__(self, value)
+
+
+def test_check_shared_over_threads_runs_python_grad_getters(pool):
+    """Python code in the check's Python part (a grad property running torch operators), while
+    pool threads share the shim reads: the steps still match the reference and use the plan."""
+    torch.manual_seed(3)
+    params = [_ObservedGradParam(torch.randn(4)) for _ in range(300)]
+    refs = [[p.detach().clone(), None, torch.zeros(4), torch.zeros(4), 0] for p in params]
+    opt = mfa.AdamW(params, lr=LR, weight_decay=WD)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        for _ in range(4):
+            for p, r in zip(params, refs):
+                p.grad = torch.randn(4)
+                r[1] = p.grad.clone()
+                r[4] += 1
+                reference_adam_(*r[:4], AdamHyper(LR, 0.9, 0.999, 1e-8, WD, r[4]))
+            before = _ObservedGradParam.reads
+            opt.step()
+            assert _ObservedGradParam.reads - before >= len(params)
+    finally:
+        torch.set_num_threads(threads)
+    assert uses(opt._plans.get(0)) == 3
+    for p, r in zip(params, refs):
+        assert torch.equal(p.detach(), r[0]) and torch.equal(opt.state[p]["exp_avg_sq"], r[3])
 
 
 def test_mps_buffers_match_mps_buffer():

@@ -24,8 +24,9 @@ has it (``src/cpu/tensor_handles.h``: a plan holds a handle per param and state 
 sees any later change of its metadata, and each check makes one per grad), otherwise through
 their ordinary Python attributes; ``MPS_FUSED_ADAM_TENSOR_HANDLES=0`` chooses the latter. In a
 group of hundreds of tensors the shim reads, mostly cache misses after a kernel pass, are shared
-by the kernel's threads (``torch.get_num_threads()``): those of the planned params and states
-while the caller makes the Python reads (state dicts, ``p.grad``), then those of the new grads.
+by the kernel's threads (``torch.get_num_threads()``): on torch's OpenMP threads, those of the
+planned params and states while the caller makes the Python reads (state dicts, ``p.grad``), then
+those of the new grads.
 Any difference, or anything the check cannot read, sends the group through the
 full validation again, which raises the same errors as before (naming the parameter, what was
 expected and what was found) or runs the step and plans anew. The check writes nothing, so a

@@ -21,6 +21,7 @@
 
 #include "tensor_handles.h"
 #include "thread_pool.h"
+#include "torch_openmp.h"
 
 namespace nb = nanobind;
 using mfa::HandleBatch;
@@ -369,12 +370,14 @@ class GroupPlan {
     const int parts = int(std::max<size_t>(1, std::min<size_t>(size_t(std::max(threads, 1)), count / kShimChunk)));
     ShimCheck job{this, plist, nb::list(), std::vector<uintptr_t>(count), {}, {}, {}, count, parts, {}};
     job.python_ok = true;
-    if (parts > 1) {
-      // Thread 0 is the caller, which holds the GIL: it alone touches Python objects.
-      mfa::ThreadPool::instance().run(parts, &ShimCheck::run_planned, &job);
-    } else {
+    // On torch's OpenMP threads, thread 0 is the caller, which holds the GIL: it alone touches
+    // Python objects. Not on our own pool (macOS, MPS_FUSED_ADAM_POOL=own): its run() holds a
+    // lock, and Python code (a finalizer run by an allocation here) may let another thread take
+    // the GIL and start a step, which would wait for that lock while holding the GIL.
+    if (parts == 1 || !mfa::run_on_torch_openmp(parts, &ShimCheck::run_planned, &job)) {
       job.python_ok = python_reads(plist, job.gs);
-      if (job.python_ok && !shim_planned(0, count)) job.failed.store(true, std::memory_order_relaxed);
+      if (!job.python_ok) return false;
+      mfa::ThreadPool::instance().run(parts, &ShimCheck::run_chunks, &job);
     }
     if (!job.python_ok || job.failed.load(std::memory_order_relaxed)) return false;
     HandleBatch batch;
@@ -473,6 +476,7 @@ class GroupPlan {
       }
       j->planned_chunks();
     }
+    static void run_chunks(void* ctx, int) { static_cast<ShimCheck*>(ctx)->planned_chunks(); }
     // Phase 2: the grads, split over every thread.
     static void run_grads(void* ctx, int part) {
       auto* j = static_cast<ShimCheck*>(ctx);
