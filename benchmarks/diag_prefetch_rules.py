@@ -1,10 +1,12 @@
 """Diagnostic: the software prefetch distance for the one-state rules (Lion, Adagrad): ours and
 their floor (rule floor1) at each distance, all in one interleaved run per case, on the same
-tensors (bench_rules' contenders), at 1 and 2 threads, ns per element. The distance is chosen per
+tensors (bench_rules' contenders), at 1 and 2 threads (or the thread counts given), ns per element. The distance is chosen per
 CPU vendor and param size (``_cpu.prefetch_bytes``, measured on Adam: benchmarks/diag_prefetch.py);
 this checks that the choice holds for three streams instead of four.
 
-``python benchmarks/diag_prefetch_rules.py``"""
+``python benchmarks/diag_prefetch_rules.py [THREADS ...]``"""
+import sys
+
 import torch
 from mps_fused_adam import _cpu, bench_rules
 from mps_fused_adam.bench import _params
@@ -15,10 +17,11 @@ def at(d, fn):
     return run
 size = 1 << 26
 dists = [0, 256, 512, 1024, 2048]
+thread_counts = [int(a) for a in sys.argv[1:]] or [1, 2]
 for rule in ("lion", "adagrad"):
     for label, pd, sd in [("bf16/bf16", torch.bfloat16, torch.bfloat16), ("fp32", torch.float32, torch.float32), ("bf16/fp32", torch.bfloat16, torch.float32)]:
         found = bench_rules._contenders(rule, _params(1, size, pd), pd, sd)
-        for th in (1, 2):
+        for th in thread_counts:
             torch.set_num_threads(th)
             c = {}
             for d in dists:
