@@ -11,7 +11,7 @@ import time
 import torch
 
 import mps_fused_adam as mfa
-from mps_fused_adam.bench import _floor_fn
+from mps_fused_adam.bench import _floor_fn, _params
 
 th = int(sys.argv[1]) if len(sys.argv) > 1 else torch.get_num_threads()
 torch.set_num_threads(th)
@@ -19,18 +19,26 @@ big = torch.empty(1 << 29)
 for dt in (torch.float32, torch.bfloat16):
     cases = {}
     for label, count, size in (("flat", 1, 64 << 20), ("many", 1000, 1 << 16)):
-        ps = []
-        for _ in range(count):
-            p = torch.nn.Parameter(torch.randn(size).to(dt)); p.grad = (torch.randn(size) * 1e-2).to(dt); ps.append(p)
-        opt = mfa.AdamW(ps, weight_decay=0.01); opt.step(); opt.step()
-        st = [[opt.state[p][k] for p in ps] for k in ("exp_avg", "exp_avg_sq")]
-        cases[label] = (opt.step, _floor_fn(ps, st, dt, dt), ps, opt)
+        ps = _params(count, size, dt)
+        opt = mfa.AdamW(ps, weight_decay=0.01)
+        opt.step()
+        opt.step()
+        states = [[opt.state[p][k] for p in ps] for k in ("exp_avg", "exp_avg_sq")]
+        cases[label] = {"ours": opt.step, "floor": _floor_fn(ps, states, dt, dt)}
     res = {(c, w): [] for c in cases for w in ("ours", "floor")}
     for _ in range(15):
-        for c, (o, f, _, _) in cases.items():
-            for w, fn in (("ours", o), ("floor", f)):
-                big.add_(1.0); t0 = time.perf_counter(); fn(); res[(c, w)].append(time.perf_counter() - t0)
+        for c, fns in cases.items():
+            for w, fn in fns.items():
+                big.add_(1.0)
+                t0 = time.perf_counter()
+                fn()
+                res[(c, w)].append(time.perf_counter() - t0)
     n = 64 << 20
-    med = {k: statistics.median(v) / n * 1e9 for k, v in res.items()}
-    print(f"threads {th} {str(dt)[6:]}: flat ours {med[('flat','ours')]:.3f} floor {med[('flat','floor')]:.3f} | many ours {med[('many','ours')]:.3f} floor {med[('many','floor')]:.3f} | ours/floor flat {med[('flat','floor')]/med[('flat','ours')]:.2f} many {med[('many','floor')]/med[('many','ours')]:.2f} | many vs flat ours {med[('many','ours')]/med[('flat','ours')]-1:+.0%} floor {med[('many','floor')]/med[('flat','floor')]-1:+.0%}", flush=True)
+    m = {k: statistics.median(v) / n * 1e9 for k, v in res.items()}
+    print(f"threads {th} {str(dt)[6:]}: flat ours {m[('flat', 'ours')]:.3f} floor {m[('flat', 'floor')]:.3f} | "
+          f"many ours {m[('many', 'ours')]:.3f} floor {m[('many', 'floor')]:.3f} | "
+          f"ours/floor flat {m[('flat', 'floor')] / m[('flat', 'ours')]:.2f} "
+          f"many {m[('many', 'floor')] / m[('many', 'ours')]:.2f} | "
+          f"many vs flat ours {m[('many', 'ours')] / m[('flat', 'ours')] - 1:+.0%} "
+          f"floor {m[('many', 'floor')] / m[('flat', 'floor')] - 1:+.0%}", flush=True)
     del cases
