@@ -118,6 +118,25 @@ def test_lion_zero_momentum_leaves_param_bits():
     assert torch.equal(bits(p), bits(before))
 
 
+@pytest.mark.parametrize("lr", [-1e-2, -0.0, 0.0, 1e-2])
+@pytest.mark.parametrize("pair", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)], ids=pair_id)
+def test_lion_lr_sign_on_every_simd_path(simd, lr, pair):
+    """The kernels form lr * sign(c) from lr's bits where lr's sign bit is clear and multiply
+    where it is set (DeepSpeed's op calls pass lr unvalidated): both give the reference's bits,
+    signed zeros of c and of the param included (lr = -0: lr * sign(+-0) = -0, so p = -0 becomes +0)."""
+    p, g, m = make("lion", 4096 + 13, *pair, seed=5, specials=True)
+    p[-40:] = torch.tensor([-0.0, 0.0] * 20).to(pair[0])
+    g[-40:] = 0.0
+    m[-40:] = torch.tensor([0.0, -0.0, -0.0, 0.0] * 10).to(pair[1])
+    hp = LionHyper(lr=lr, beta1=0.9, beta2=0.99, weight_decay=0.0)
+    ours, ref = [p.clone(), g.clone(), m.clone()], [p.clone(), g.clone(), m.clone()]
+    CPUBackend().update("lion", [ours[0]], [ours[1]], [[ours[2]]], hp)
+    reference_step_("lion", ref[0], ref[1], [ref[2]], hp)
+    assert_identical(ours, ref, f"{simd} lr={lr}: ")
+    if str(lr) == "-0.0":  # c = +-0 gives lr * +0 = -0, and -0 - (-0) is +0
+        assert not torch.signbit(ours[0][-40:].float()).any()
+
+
 @pytest.mark.parametrize("rule", RULE_NAMES)
 def test_many_tensors_one_call_two_threads(rule):
     shapes = [int(s) for s in torch.randint(1, 3000, (500,))]

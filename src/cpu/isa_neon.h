@@ -17,6 +17,13 @@ struct Vec {
     s = vbslq_f32(vcgtq_f32(x, zero), vdupq_n_f32(1.0f), s);
     return vbslq_f32(vcltq_f32(x, zero), vdupq_n_f32(-1.0f), s);
   }
+  // lr * sign(x) for an lr whose sign bit is clear, in the same bits: lr with x's sign bit where
+  // |x| > 0 (false for zeros and NaN), else x - x (+0 = lr * +0; NaN).
+  static F signed_lr(F lr, F x) {
+    const uint32x4_t sign = vdupq_n_u32(0x80000000u);
+    const F bits = vbslq_f32(sign, x, lr);
+    return vbslq_f32(vcagtq_f32(x, vdupq_n_f32(0.0f)), bits, vsubq_f32(x, x));
+  }
   static F load(const float* p) { return vld1q_f32(p); }
   static void store(float* p, F x) { vst1q_f32(p, x); }
   static F load(const f16* p) {

@@ -13,6 +13,7 @@ struct Vec {
   static F neg(F x) { return -x; }
   // Lion's sign: 1 for x > 0, -1 for x < 0, else x - x (+0 for both zeros, NaN for NaN).
   static F sign(F x) { return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : x - x); }
+  static F signed_lr(F lr, F x) { return lr * sign(x); }  // the definition the vector layers follow
   static F load(const float* p) { return *p; }
   static void store(float* p, F x) { *p = x; }
 

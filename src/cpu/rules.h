@@ -33,23 +33,30 @@ struct AdamRule {
 };
 
 // Lion (contract.py): no sqrt, no division. sign(c) is 1, -1, +0 for both zeros, NaN for NaN
-// (Vec::sign); lr * sign(c) is exact, so the parameter update rounds once.
+// (Vec::sign); lr * sign(c) is exact, so the parameter update rounds once. Vec::signed_lr gives
+// the same bits in fewer operations where lr's sign bit is clear (every validated lr; a negative
+// one, which only DeepSpeed's unvalidated op calls could pass, takes the product).
 struct LionRule {
   static constexpr int kStates = 1;
   using Scalars = LionScalars;
   using F = Vec::F;
   F lr, beta1, beta2, omb1, omb2, decay;
-  bool maximize;
+  bool maximize, lr_sign_clear;
+  static bool sign_clear(float x) {
+    uint32_t u;
+    __builtin_memcpy(&u, &x, sizeof u);
+    return (u >> 31) == 0;
+  }
   explicit LionRule(const Scalars& s)
       : lr(Vec::set1(s.lr)), beta1(Vec::set1(s.beta1)), beta2(Vec::set1(s.beta2)),
         omb1(Vec::set1(s.one_minus_beta1)), omb2(Vec::set1(s.one_minus_beta2)), decay(Vec::set1(s.decay)),
-        maximize(s.maximize != 0) {}
+        maximize(s.maximize != 0), lr_sign_clear(sign_clear(s.lr)) {}
   inline void operator()(F& p, F g, F* s) const {
     F& m = s[0];
     if (maximize) g = Vec::neg(g);
     F c = beta1 * m + omb1 * g;
     p = p * decay;
-    p = p - lr * Vec::sign(c);
+    p = p - (lr_sign_clear ? Vec::signed_lr(lr, c) : lr * Vec::sign(c));
     m = beta2 * m + omb2 * g;
   }
 };

@@ -99,14 +99,16 @@ int main() {
       }
     }
   }
-  // One-state rules: mode 0-3 Lion (maximize x weight decay), 4-7 Adagrad (maximize x L2), 8 floor1.
+  // One-state rules: mode 0-3 Lion (maximize x weight decay), 4-7 Adagrad (maximize x L2), 8 floor1,
+  // 9-10 Lion with lr -1e-2 and -0 (lr's sign bit set: the kernels multiply by sign(c) there).
   for (int combo = 0; combo < int(Combo::Count); ++combo) {
     for (int n : sizes) {
-      for (int mode = 0; mode < 9; ++mode) {
+      for (int mode = 0; mode < 11; ++mode) {
         const bool mx = (mode & 1) != 0, wd = (mode & 2) != 0;
-        LionScalars ls{1e-2f, 0.9f, 0.99f, 0.1f, 0.01f, wd ? 0.999f : 1.0f, mx};
+        const float lion_lr = mode == 9 ? -1e-2f : mode == 10 ? -0.0f : 1e-2f;
+        LionScalars ls{lion_lr, 0.9f, 0.99f, 0.1f, 0.01f, wd ? 0.999f : 1.0f, mx};
         AdagradScalars as{1e-2f, 1e-10f, wd ? 0.1f : 0.0f, wd, mx};
-        RuleId id = mode < 4 ? RuleId::Lion : mode < 8 ? RuleId::Adagrad : RuleId::Floor1;
+        RuleId id = mode < 4 || mode > 8 ? RuleId::Lion : mode < 8 ? RuleId::Adagrad : RuleId::Floor1;
         const void* scalars = mode >= 4 && mode < 8 ? static_cast<const void*>(&as) : static_cast<const void*>(&ls);
         std::vector<std::vector<uint8_t>> bufs[2];
         for (int k = 0; k < 2; ++k) bufs[k].resize(3);
