@@ -100,3 +100,23 @@ def test_alternated_best_times_each_setting_in_turn():
     assert seen == [False, True, False, True]
     assert set(best) == {False, True}
     assert best[True] >= 0.002 > best[False]
+
+
+def test_interleaved_rounds_vary_each_contenders_predecessor():
+    """Every contender runs once per round (entry r of each list from round r), and over the
+    rounds each one follows several different others: a contender that leaves work behind (torch's
+    foreach frees gigabytes) must not always be followed by the same one."""
+    from mps_fused_adam.timing import interleaved_rounds
+    calls: list[str] = []
+    names = ["ours", "floor", "torch fused", "torch foreach", "deepspeed"]
+    contenders = {n: (lambda n=n: calls.append(n)) for n in names}
+    times = interleaved_rounds(contenders, 20)
+    assert all(len(times[n]) == 20 for n in names)
+    rounds = calls[len(names):]  # after the warm-up calls, one per contender
+    assert all(sorted(rounds[i:i + len(names)]) == sorted(names) for i in range(0, len(rounds), len(names)))
+    for n in names:
+        followed = {rounds[i - 1] for i in range(1, len(rounds)) if rounds[i] == n}
+        assert len(followed) >= 3, f"{n} followed only {followed}"
+    assert interleaved_rounds(contenders, 20).keys() == times.keys()
+    first, second = calls[5:105], calls[110:210]  # each run: 5 warm-up calls, then 20 rounds of 5
+    assert first == second, "the order comes from a fixed seed, so two runs take the same orders"

@@ -1,6 +1,7 @@
 """What the benchmark sections share: interleaved timing and bytes per element."""
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from typing import Any, Callable
@@ -20,16 +21,21 @@ def interleaved_rounds(contenders: dict[str, Callable[[], None]], repeats: int,
     drifts of clock, temperature and neighbours hit all of them alike; ``sync`` waits for a device.
     Entry ``r`` of every list comes from the same round, so ratios can be taken round by round.
 
-    The order rotates every round: a contender that follows one which frees gigabytes of
-    temporaries (torch's foreach) pays for the kernel's page work, and no contender should always
-    be the one that does."""
+    Each round runs the contenders in a fresh order, a permutation from a fixed seed (so a run is
+    repeatable): a contender that follows one which frees gigabytes of temporaries (torch's
+    foreach) pays for the kernel's page work, or finds another's data in the cache, and over the
+    rounds each should follow each other about equally often. (A rotation would not do that: it
+    keeps every contender's predecessor the same in all but one round in n.)"""
     for fn in contenders.values():  # warm-up: pipelines, allocator, first-step state
         fn()
     sync()
     names = list(contenders)
     times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+    orders = random.Random(0)
+    for _ in range(repeats):
+        order = names[:]
+        orders.shuffle(order)
+        for name in order:
             t0 = time.perf_counter()
             contenders[name]()
             sync()
