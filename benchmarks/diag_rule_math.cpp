@@ -73,12 +73,18 @@ struct LionProduct : LionRule {
   }
 };
 
-struct AdagradYmm {
+// What the Adagrad variants below share: plain Adagrad's state and scalars (no L2, no maximize:
+// the scalars main passes).
+struct AdagradVariant {
   static constexpr int kStates = 1;
   using Scalars = AdagradScalars;
   using F = Vec::F;
   F clr, eps;
-  explicit AdagradYmm(const Scalars& s) : clr(Vec::set1(s.clr)), eps(Vec::set1(s.eps)) {}
+  explicit AdagradVariant(const Scalars& s) : clr(Vec::set1(s.clr)), eps(Vec::set1(s.eps)) {}
+};
+
+struct AdagradYmm : AdagradVariant {
+  using AdagradVariant::AdagradVariant;
   static inline F halves(F g, F acc, F eps) {
     const __m256 e = _mm512_castps512_ps256(eps);
     const __m256 lo = _mm256_div_ps(_mm512_castps512_ps256(g),
@@ -111,12 +117,8 @@ static inline __m512 sqrt_newton(__m512 x0) {
   return _mm512_mask_mov_ps(s, _mm512_fpclass_ps_mask(x0, 0x0E), x0);  // +-0, +inf
 }
 
-struct AdagradNewton {
-  static constexpr int kStates = 1;
-  using Scalars = AdagradScalars;
-  using F = Vec::F;
-  F clr, eps;
-  explicit AdagradNewton(const Scalars& s) : clr(Vec::set1(s.clr)), eps(Vec::set1(s.eps)) {}
+struct AdagradNewton : AdagradVariant {
+  using AdagradVariant::AdagradVariant;
   inline void operator()(F& p, F g, F* s) const {
     F& acc = s[0];
     acc = acc + g * g;
@@ -124,12 +126,8 @@ struct AdagradNewton {
   }
 };
 
-struct AdagradNoDiv {
-  static constexpr int kStates = 1;
-  using Scalars = AdagradScalars;
-  using F = Vec::F;
-  F clr, eps;
-  explicit AdagradNoDiv(const Scalars& s) : clr(Vec::set1(s.clr)), eps(Vec::set1(s.eps)) {}
+struct AdagradNoDiv : AdagradVariant {
+  using AdagradVariant::AdagradVariant;
   inline void operator()(F& p, F g, F* s) const {
     F& acc = s[0];
     acc = acc + g * g;
