@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import struct
 
+import pytest
 import torch
 
 from mps_fused_adam import backends
@@ -44,6 +45,51 @@ def test_adam_host_scalars_are_double_rounded_once():
     l2 = adam_scalars(AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.5, 1, adam_w_mode=False, bias_correction=False))
     assert (l2.step_size, l2.d2, l2.decay, l2.adam_w_mode) == (f32(1e-2), 1.0, 1.0, 0)
     assert len(RULES["adam"].pack(hp)) == 44
+
+
+def test_adam_bias_correction_that_cannot_be_taken_is_named():
+    """Step 0 or beta1 = 1 (1 - beta1**step = 0), beta2 = 1 or above: DeepSpeed's ops pass such
+    values through (its kernels write NaN); ours say what is wrong before anything is written."""
+    for step, b1, b2 in ((0, 0.9, 0.999), (3, 1.0, 0.999), (3, 0.9, 1.0), (3, 0.9, 1.5)):
+        with pytest.raises(ValueError, match=rf"bias correction at step {step} with betas \({b1}, {b2}\)"):
+            adam_scalars(AdamHyper(1e-3, b1, b2, 1e-8, 0.0, step))
+        adam_scalars(AdamHyper(1e-3, b1, b2, 1e-8, 0.0, step, bias_correction=False))  # no correction, no problem
+
+
+def _l2_without_decay_params():
+    p = torch.tensor([float("inf"), -float("inf"), 1.5, -0.0, 3e-39, -2.0])
+    g = torch.tensor([0.25, -0.5, 0.125, -0.0, 1e-3, float("inf")])
+    return p, g
+
+
+def test_l2_mode_without_weight_decay_adds_no_term():
+    """torch.optim.Adam (and DeepSpeed's CPU Adam) skip the L2 term at weight_decay=0, so an
+    infinite param keeps finite moments; the contract does the same on every CPU-side backend."""
+    s = adam_scalars(AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.0, 1, adam_w_mode=False))
+    assert (s.adam_w_mode, s.decay) == (1, 1.0)  # the decoupled form with decay 1: p * 1 is p
+    assert adam_scalars(AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.5, 1, adam_w_mode=False)).adam_w_mode == 0
+    p0, g0 = _l2_without_decay_params()
+    tp = p0.clone().requires_grad_()
+    topt = torch.optim.Adam([tp], lr=1e-2, weight_decay=0.0, foreach=False)
+    for backend in (backends.get_backend("cpu"), backends.ForeachBackend()):
+        p, m, v = p0.clone(), torch.zeros(6), torch.zeros(6)
+        ref = [p0.clone(), g0.clone(), torch.zeros(6), torch.zeros(6)]
+        for step in (1, 2):
+            hp = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.0, step, adam_w_mode=False)
+            backend.update("adam", [p], [g0.clone()], [[m], [v]], hp)
+            REFERENCES["adam"](ref[0], ref[1], ref[2:], hp)
+        assert torch.equal(p.view(torch.int32), ref[0].view(torch.int32)), backend.name
+        assert torch.equal(m, ref[2]) and torch.equal(v, ref[3]), backend.name
+        assert p[0] == float("inf") and p[1] == -float("inf"), backend.name
+        assert torch.isfinite(m[:2]).all() and torch.isfinite(v[:2]).all(), (backend.name, m, v)
+    for _ in (1, 2):
+        tp.grad = g0.clone()
+        topt.step()
+    st = topt.state[tp]
+    # torch agrees on what is finite, param and moments alike.
+    assert torch.equal(torch.isfinite(tp.detach()), torch.isfinite(ref[0]))
+    assert torch.equal(torch.isfinite(st["exp_avg"]), torch.isfinite(ref[2]))
+    assert torch.equal(torch.isfinite(st["exp_avg_sq"]), torch.isfinite(ref[3]))
 
 
 def _contract_v1_adamw_(p, g, m, v, hp):

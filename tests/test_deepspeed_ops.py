@@ -364,3 +364,63 @@ def test_redirect_policy():
     redirect.prebuilt = {"deepspeed_shm_comm"}  # DS_BUILD_OPS=1 installs: loading compiles nothing
     assert redirect.resolve("ShareMemCommBuilder", table.get) is Shm
     assert builders.Redirect(block_jit=False).resolve("ShareMemCommBuilder", table.get) is Shm
+
+
+@pytest.mark.parametrize("adamw_mode", [True, False])
+def test_cpu_adam_applies_weight_decay_only_when_positive(cpu_op, adamw_mode):
+    """DeepSpeed's CPU Adam tests ``weight_decay > 0`` in both modes (its Python class never
+    rejects a negative value): a negative one means none, for the update and its rollback alike.
+    The fused multi_tensor_adam applies any value, as DeepSpeed's CUDA kernel does."""
+    cpu_op.create_adam(7, adamw_mode=adamw_mode)
+    a = list(_state(257, torch.float32, torch.float32, seed=5))
+    a[3].add_(1e-4)
+    b = [t.clone() for t in a]
+    cpu_op.adam_update(7, 2, 1e-2, 0.9, 0.999, 1e-8, -0.5, True, *a)
+    cpu_op.adam_update(7, 2, 1e-2, 0.9, 0.999, 1e-8, 0.0, True, *b)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    cpu_op.adam_rollback(7, 2, 1e-2, 0.9, 0.999, 1e-8, -0.5, True, *a)
+    cpu_op.adam_rollback(7, 2, 1e-2, 0.9, 0.999, 1e-8, 0.0, True, *b)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+    p, g, m, v = _state(257, torch.float32, torch.float32, seed=6)
+    ref = [t.clone() for t in (p, g, m, v)]
+    ops.FUSED_ADAM_OP.multi_tensor_adam(1, None, [[g], [p], [m], [v]], 1e-2, 0.9, 0.999, 1e-8, 2,
+                                        int(adamw_mode), 1, -0.5)
+    reference_adam_(*ref, AdamHyper(1e-2, 0.9, 0.999, 1e-8, -0.5, 2, adam_w_mode=adamw_mode))
+    assert torch.equal(p, ref[0]) and torch.equal(m, ref[2])
+    assert not torch.equal(p, a[0])  # so the fused op did decay
+
+
+def test_adam_rollback_of_an_id_not_created_inverts_the_adamw_form(cpu_op):
+    """DeepSpeed's rollback never looks the id up and always inverts the AdamW form; ours does the
+    same for an id that was never created or was destroyed, instead of raising."""
+    cpu_op.create_adam(8, adamw_mode=True)
+    p, g, m, v = _state(3000, torch.float32, torch.float32, seed=10)
+    v.add_(1e-4)
+    before = [t.clone() for t in (p, m, v)]
+    cpu_op.adam_update(8, 2, 1e-2, 0.9, 0.999, 1e-8, 0.05, True, p, g, m, v)
+    assert cpu_op.destroy_adam(8) == 0
+    twin = [t.clone() for t in (p, g, m, v)]
+    assert cpu_op.adam_rollback(8, 2, 1e-2, 0.9, 0.999, 1e-8, 0.05, True, p, g, m, v) == 0
+    assert cpu_op.adam_rollback(12345, 2, 1e-2, 0.9, 0.999, 1e-8, 0.05, True, *twin) == 0
+    assert torch.equal(p, twin[0]) and torch.equal(m, twin[2]) and torch.equal(v, twin[3])
+    for got, old, name in zip((p, m, v), before, ("param", "exp_avg", "exp_avg_sq")):
+        err = (got - old).abs().max().item() / old.abs().max().item()
+        assert err < 1e-5, f"{name} not restored: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("layout", ["csr", "coo", "mkldnn"])
+def test_non_strided_tensors_rejected_before_any_group_is_written(cpu_op, layout):
+    """A call whose later (device, dtype) group holds a sparse or mkldnn tensor must fail in
+    validation, naming it, with the earlier groups untouched."""
+    p1, g1, m1, v1 = _state(4, torch.float32, torch.float32, seed=1)
+    dense = torch.ones(2, 2)
+    odd = {"csr": dense.to_sparse_csr(), "coo": dense.to_sparse(), "mkldnn": dense.to_mkldnn()}[layout]
+    before = [t.clone() for t in (p1, m1, v1)]
+    with pytest.raises(RuntimeError, match=r"params\[1\] has layout"):
+        ops.FUSED_ADAM_OP.multi_tensor_adam(1, None, [[g1, dense], [p1, odd], [m1, dense.clone()], [v1, dense.clone()]],
+                                            1e-2, 0.9, 0.999, 1e-8, 1, 1, 1, 0.0)
+    assert all(torch.equal(a, b) for a, b in zip((p1, m1, v1), before))
+    cpu_op.create_adam(1)
+    with pytest.raises(RuntimeError, match=r"grads\[0\] has layout"):
+        cpu_op.adam_update(1, 1, 1e-2, 0.9, 0.999, 1e-8, 0.0, True, dense.clone(), odd, dense.clone(), dense.clone())

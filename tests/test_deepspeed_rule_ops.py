@@ -200,3 +200,62 @@ def test_against_deepspeeds_own_cpu_adagrad(pair):
         rel = ((x.float() - y.float()).abs().max() / y.float().abs().max()).item()
         assert rel <= 4 * torch.finfo(pair[0]).eps, rel
     assert not torch.equal(b[0], p)
+
+
+def test_cpu_rule_ops_apply_weight_decay_only_when_positive():
+    """DeepSpeed's CPU Lion and Adagrad test ``weight_decay > 0``: a negative one means none.
+    multi_tensor_lion applies any value, as DeepSpeed's CUDA kernel does."""
+    lion, adagrad = rule_ops.CPULionOp(), rule_ops.CPUAdagradOp()
+    lion.create_lion(0)
+    adagrad.create_adagrad(0)
+    p, g, s = _tensors(300, torch.float32, torch.float32, seed=31, positive_state=True)
+    a, b = [p.clone(), s.clone()], [p.clone(), s.clone()]
+    lion.lion_update(0, 1, 1e-2, 0.9, 0.99, -0.5, a[0], g.clone(), a[1])
+    lion.lion_update(0, 1, 1e-2, 0.9, 0.99, 0.0, b[0], g.clone(), b[1])
+    assert _same(a[0], b[0]) and _same(a[1], b[1])
+    a, b = [p.clone(), s.clone()], [p.clone(), s.clone()]
+    adagrad.adagrad_update(0, 1, 1e-2, 1e-8, -0.5, a[0], g.clone(), a[1])
+    adagrad.adagrad_update(0, 1, 1e-2, 1e-8, 0.0, b[0], g.clone(), b[1])
+    assert _same(a[0], b[0]) and _same(a[1], b[1])
+    fused, ref = [p.clone(), s.clone()], [p.clone(), s.clone()]
+    rule_ops.FUSED_LION_OP.multi_tensor_lion(1, None, [[g.clone()], [fused[0]], [fused[1]]], 1e-2, 0.9, 0.99, 1, -0.5)
+    reference_lion_(ref[0], g.clone(), ref[1], LionHyper(lr=1e-2, beta1=0.9, beta2=0.99, weight_decay=-0.5))
+    assert _same(fused[0], ref[0]) and not _same(fused[0], b[0])
+
+
+@pytest.mark.parametrize("name", ["cpu_lion", "cpu_adagrad", "cpu_adam"])
+def test_negative_weight_decay_as_deepspeeds_own(name):
+    """The same calls with weight_decay = -0.5 on DeepSpeed's own JIT-built ops and ours."""
+    if name == "cpu_adam":
+        ds_var = "MFA_DS_CPU_ADAM_SO"
+        import os
+        if not os.environ.get(ds_var):
+            msg = f"cross-check against a JIT-built DeepSpeed cpu_adam: set {ds_var} to its .so"
+            if os.environ.get("MFA_REQUIRE_DEEPSPEED"):
+                pytest.fail(msg + " (MFA_REQUIRE_DEEPSPEED is set)")
+            pytest.skip(msg)
+        import importlib.util
+        spec = importlib.util.spec_from_file_location(name, os.environ[ds_var])
+        ds = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(ds)
+        ours = ops.CPUAdamOp()
+    else:
+        ds = _deepspeeds_own(name)
+        ours = rule_ops.CPULionOp() if name == "cpu_lion" else rule_ops.CPUAdagradOp()
+    p, g, s = _tensors(4099, torch.float32, torch.float32, seed=41, positive_state=True)
+    a, b = [p.clone(), s.clone(), s.clone()], [p.clone(), s.clone(), s.clone()]
+    for mod, t in ((ds, a), (ours, b)):
+        if name == "cpu_lion":
+            mod.create_lion(0, 1e-2, 0.9, 0.99, -0.5, False)
+            mod.lion_update(0, 1, 1e-2, 0.9, 0.99, -0.5, t[0], g.clone(), t[1])
+        elif name == "cpu_adagrad":
+            mod.create_adagrad(0, 1e-2, 1e-8, -0.5, False)
+            mod.adagrad_update(0, 1, 1e-2, 1e-8, -0.5, t[0], g.clone(), t[1])
+        else:
+            mod.create_adam(0, 1e-2, 0.9, 0.999, 1e-8, -0.5, False, False)  # L2 mode
+            mod.adam_update(0, 1, 1e-2, 0.9, 0.999, 1e-8, -0.5, True, t[0], g.clone(), t[1], t[2])
+    # Without decay the two agree to a few fp32 ulps (DeepSpeed fuses multiply-adds); a decay of
+    # -0.5 applied on one side only would move the params by about lr * 0.5 * |p|.
+    rel = ((a[0] - b[0]).abs().max() / b[0].abs().max()).item()
+    assert rel <= 4 * torch.finfo(torch.float32).eps, rel
+    assert not torch.equal(b[0], p)

@@ -142,6 +142,58 @@ def test_dead_optimizer_process_is_noticed():
 
 
 @linux_only
+def test_a_step_that_cannot_run_changes_no_group():
+    """Every group's scalars are computed before any group is written: a submitted step whose
+    second group cannot run (beta1 = 1 with bias correction: 1 - beta1**step is 0) leaves the first
+    group's param, states and stale snapshot as they were; the optimizer process then stops with
+    an error naming the group, and the training side's wait times out. A negative core in the
+    affinity list leaves its thread unpinned, as in DeepSpeed."""
+    op = ops.CPUAdamOp()
+    ctrl = torch.zeros(op.zenflow_adam_ctrl_size(), dtype=torch.uint8).share_memory_()
+    op.zenflow_adam_ctrl_init(ctrl.data_ptr(), 2)
+    gen = torch.Generator().manual_seed(5)
+    groups = []
+    for _ in range(2):
+        p, g = _shared(64, torch.float32, gen=gen), _shared(64, torch.float32, gen=gen)
+        groups.append((p, g, _shared(64, torch.float32, 0.0), *(_shared(64, torch.float32, 0.0) for _ in range(4)),
+                       _shared(64, torch.float32, 0.0)))
+    before = [[t.clone() for t in grp] for grp in groups]
+    proc = _start(groups, ctrl, [-1], True)
+    try:
+        op.zenflow_adam_submit(ctrl.data_ptr(), 0, 1, [1e-2, 1e-2], [0.9, 1.0], [0.999, 0.999], [1e-8, 1e-8],
+                               [0.0, 0.0], [1, 1])
+        assert op.zenflow_adam_wait(ctrl.data_ptr(), 10.0) is False
+        proc.join(timeout=20)
+        assert not proc.is_alive() and proc.exitcode != 0
+        for grp, old in zip(groups, before):
+            assert all(torch.equal(t, o) for t, o in zip(grp, old)), "a group was written"
+    finally:
+        _stop(proc, op, ctrl)
+
+
+@linux_only
+def test_negative_core_leaves_its_thread_unpinned_and_steps_run():
+    op = ops.CPUAdamOp()
+    ctrl = torch.zeros(op.zenflow_adam_ctrl_size(), dtype=torch.uint8).share_memory_()
+    op.zenflow_adam_ctrl_init(ctrl.data_ptr(), 1)
+    gen = torch.Generator().manual_seed(6)
+    n = 200_000  # enough for two pool threads
+    group = (_shared(n, torch.float32, gen=gen), _shared(n, torch.float32, gen=gen),
+             *(_shared(n, torch.float32, 0.0) for _ in range(6)))
+    mirror = [group[0].clone(), group[1].clone(), torch.zeros(n), torch.zeros(n)]
+    op.create_adam(1, adamw_mode=True)
+    proc = _start([group], ctrl, [-1, sorted(os.sched_getaffinity(0))[0]], True)
+    try:
+        op.zenflow_adam_submit(ctrl.data_ptr(), 0, 1, [1e-2], [0.9], [0.999], [1e-8], [0.01], [1])
+        assert op.zenflow_adam_wait(ctrl.data_ptr(), 60.0)
+        op.adam_update(1, 1, 1e-2, 0.9, 0.999, 1e-8, 0.01, True, *mirror)
+        assert torch.equal(group[0], mirror[0]) and torch.equal(group[7], mirror[0])
+    finally:
+        _stop(proc, op, ctrl)
+        op.destroy_adam(1)
+
+
+@linux_only
 def test_control_block_rejects_bad_use_and_changes_nothing():
     op = ops.CPUAdamOp()
     size = op.zenflow_adam_ctrl_size()
@@ -204,8 +256,27 @@ def test_non_linux_says_linux_only(monkeypatch):
     assert not zenflow.supported()
 
 
+def test_off_linux_the_op_lacks_the_linux_only_functions():
+    """DeepSpeed defines six of ZenFlow's functions only on Linux, and its test of them asks
+    hasattr(op, "zenflow_adam_ctrl_size"): the op built off Linux lacks them, saying why."""
+    off_linux = ops.without_linux_only_zenflow(ops.CPUAdamOp)()
+    for name in ops.ZENFLOW_LINUX_ONLY:
+        assert hasattr(ops.CPUAdamOp(), name) == sys.platform.startswith("linux")
+        assert not hasattr(off_linux, name)
+        with pytest.raises(AttributeError, match="Linux-only"):
+            getattr(off_linux, name)
+    with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
+        off_linux.nonsense
+    # The rest is all there: Adam, the rollback and ZenFlow's in-process functions.
+    off_linux.create_adam(0)
+    p, g, m, v = (torch.ones(8), torch.ones(8), torch.zeros(8), torch.zeros(8))
+    assert off_linux.adam_update(0, 1, 1e-2, 0.9, 0.999, 1e-8, 0.0, True, p, g, m, v) == 0
+    assert not torch.equal(p, torch.ones(8))
+    assert callable(off_linux.zenflow_adam_create) and callable(off_linux.zenflow_adam_register_group)
+
+
 PIN_SCRIPT = textwrap.dedent("""
-    import json, os, torch
+    import json, os, threading, torch
     from mps_fused_adam import _cpu
     from mps_fused_adam.backends import get_backend
     from mps_fused_adam.contract import AdamHyper
@@ -229,17 +300,24 @@ PIN_SCRIPT = textwrap.dedent("""
     pool_tids = sorted(set(allowed()) - set(before))
     ok = _cpu.pin_pool([cores[0], cores[-1]], True)
     pinned = allowed()
+    later = []  # a thread the caller starts after pinning (torch starts its own threads so)
+    t = threading.Thread(target=lambda: later.extend(sorted(os.sched_getaffinity(0))))
+    t.start()
+    t.join()
+    main_cores = sorted(os.sched_getaffinity(0))
     _cpu.pin_pool(cores, False)
     restored = allowed()
     print("MFA-RESULT " + json.dumps(dict(ok=ok, cores=cores, main=os.getpid(), pool=pool_tids,
-                                          pinned=pinned, restored=restored, size=_cpu.pool_size())))
+                                          pinned=pinned, restored=restored, size=_cpu.pool_size(),
+                                          main_cores=main_cores, later=later)))
 """)
 
 
 @linux_only
 def test_pool_threads_pinned_one_per_core(tmp_path):
-    """pin_pool puts the calling thread on the first core and pool thread i on core i (cycling), as
-    DeepSpeed's pinned pool does; pinning to the whole list restores the placement."""
+    """pin_pool puts pool thread i on core i of the list (cycling), as DeepSpeed's pinned pool
+    does, and leaves the calling thread (thread 0) on the whole list, so that the threads it starts
+    later are not confined to one core; pinning to the whole list restores the placement."""
     import json
     import mps_fused_adam
     env = dict(os.environ, PYTHONPATH=str(Path(mps_fused_adam.__file__).resolve().parents[1]))
@@ -248,7 +326,7 @@ def test_pool_threads_pinned_one_per_core(tmp_path):
     r = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("MFA-RESULT ")][-1][11:])
     assert r["ok"] and r["size"] == 3 and len(r["pool"]) == 2
     first, last = r["cores"][0], r["cores"][-1]
-    assert r["pinned"][str(r["main"])] == str(first)
+    assert r["main_cores"] == r["later"] == sorted({first, last})
     assert sorted(r["pinned"][str(t)] for t in r["pool"]) == sorted([str(last), str(first)])
     whole = r["restored"][str(r["main"])]
     assert all(r["restored"][str(t)] == whole for t in r["pool"]) and whole != str(first)

@@ -67,6 +67,26 @@ def test_extension_kernel_names_and_struct_match_the_kernel():
     kernel = METAL_SOURCE.read_text()
     for idx, name in [(4, "hp"), (5, "base"), (6, "n")]:
         assert re.search(rf"&\s*{name}\s*\[\[buffer\({idx}\)\]\]", kernel), name
+    # Every kernel shape (two states, one state, 8-bit), the same layout: K buffers 0..K-1, then
+    # hp, base and n at K, K + 1, K + 2, which is what the extension binds.
+    shapes = re.findall(r"kernel void (\w+)\((.*?)\)\s*\{", kernel, flags=re.S)
+    assert sorted(name for name, _ in shapes) == ["fused_step_1", "fused_step_2", "fused_step_8bit"]
+    for name, args in shapes:
+        bound = [(arg, int(idx)) for arg, idx in re.findall(r"(\w+)\s*\[\[buffer\((\d+)\)\]\]", args)]
+        k = len(bound) - 3
+        assert [idx for _, idx in bound] == list(range(k + 3)), name
+        assert [arg for arg, _ in bound[k:]] == ["hp", "base", "n"], name
+
+
+def test_metal_source_is_ascii():
+    """torch 2.13's compile_shader (tier 3) hands the source to Metal as an NSString made by
+    stringWithCString:encoding: with encoding 1, NSASCIIStringEncoding (read from the macOS arm64
+    wheel: llvm-objdump of MetalShaderLibrary::compileLibrary in libtorch_cpu.dylib). A byte
+    outside ASCII, even in a comment, is outside that encoding; what Foundation then makes of the
+    source was not observed (no Mac here), so the source stays ASCII."""
+    data = METAL_SOURCE.read_bytes()
+    bad = [i for i, b in enumerate(data) if b >= 0x80]
+    assert not bad, f"non-ASCII bytes in {METAL_SOURCE.name} at offsets {bad[:10]}"
 
 
 def test_apple_only_code_under_250_lines():

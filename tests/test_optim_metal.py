@@ -56,6 +56,21 @@ def test_optimizer_through_metal_tier_matches_reference(metal_backend, cls, kwar
         assert len(ext.calls) == 3 * 4
 
 
+def test_l2_mode_without_weight_decay_keeps_infinite_params_finite_moments(metal_backend):
+    """Adam's L2 term is skipped at weight_decay=0 (torch does so), through every Metal tier."""
+    p = torch.nn.Parameter(torch.tensor([float("inf"), -float("inf"), 1.5, -2.0]))
+    ref = [p.detach().clone(), None, torch.zeros(4), torch.zeros(4)]
+    opt = mfa.Adam([p], lr=1e-2, weight_decay=0.0)
+    for step in (1, 2):
+        p.grad = torch.tensor([0.25, -0.5, 0.125, 1.0])
+        ref[1] = p.grad.clone()
+        opt.step()
+        reference_adam_(*ref, AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.0, step, adam_w_mode=False))
+    st = opt.state[p]
+    assert torch.equal(p.detach(), ref[0]) and torch.equal(st["exp_avg"], ref[2])
+    assert p[0] == float("inf") and torch.isfinite(st["exp_avg"]).all() and torch.isfinite(st["exp_avg_sq"]).all()
+
+
 def test_bad_input_rejected_before_anything_is_encoded(metal_backend):
     backend, ext = metal_backend
     params = mixed_params()

@@ -16,6 +16,8 @@ Adam (v2), host::
     step_size = lr / bc1          d2 = 1 / sqrt(bc2)
     decay = 1 - lr * wd           (AdamW mode; 1 in L2 mode)
     omb1 = 1 - beta1, omb2 = 1 - beta2; beta1, beta2, eps, wd as given
+    L2 mode with wd == 0 adds no term (as torch.optim.Adam and DeepSpeed skip it: 0 * inf is
+    NaN): the host hands the kernels the decoupled form with decay 1, and p * 1 is p, bit for bit.
 
 The element math is stated once, in ``reference.reference_adam_``.
 
@@ -89,13 +91,22 @@ def adam_scalars(hp: AdamHyper) -> AdamScalars:
     if hp.bias_correction:
         bc1 = 1.0 - hp.beta1 ** hp.step
         bc2 = 1.0 - hp.beta2 ** hp.step
+        if not (bc1 != 0.0 and bc2 > 0.0):
+            # The optimizer classes never get here (their betas lie in [0, 1), steps count from 1);
+            # DeepSpeed's ops pass whatever their caller holds, and its kernels then write NaN.
+            raise ValueError(f"Adam's bias correction at step {hp.step} with betas ({hp.beta1}, {hp.beta2}): "
+                             f"1 - beta1**step = {bc1!r} and 1 - beta2**step = {bc2!r}; the first must be "
+                             f"nonzero and the second positive (steps count from 1, betas lie in [0, 1))")
     else:
         bc1 = bc2 = 1.0
-    decay = 1.0 - hp.lr * hp.weight_decay if hp.adam_w_mode else 1.0
+    # L2 mode without weight decay: g + 0 * p would turn an infinite param's moments into NaN,
+    # so no term is added; p * (decay = 1) leaves p as it is, so the decoupled form says exactly that.
+    decoupled = bool(hp.adam_w_mode) or hp.weight_decay == 0
+    decay = 1.0 - hp.lr * hp.weight_decay if decoupled else 1.0
     return AdamScalars(
         _f32(hp.beta1), _f32(hp.beta2), _f32(1.0 - hp.beta1), _f32(1.0 - hp.beta2), _f32(hp.eps),
         _f32(hp.weight_decay), _f32(hp.lr / bc1), _f32(1.0 / math.sqrt(bc2)), _f32(decay),
-        int(bool(hp.adam_w_mode)), int(bool(hp.maximize)),
+        int(decoupled), int(bool(hp.maximize)),
     )
 
 

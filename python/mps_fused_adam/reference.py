@@ -33,7 +33,8 @@ def reference_adam_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
     Element contract (scalars from ``contract.adam_scalars``), each op rounded separately::
 
         if maximize: g = -g
-        if L2 mode:  g = g + wd * p
+        if L2 mode:  g = g + wd * p     (not when wd == 0: adam_scalars then passes AdamW
+                                         mode with decay 1, as torch skips the term)
         m = beta1 * m + omb1 * g
         v = beta2 * v + omb2 * (g * g)
         denom = sqrt(v) * d2 + eps

@@ -53,10 +53,16 @@ bool ThreadPool::apply_pin(std::thread::native_handle_type thread, int index) {
 #if defined(__linux__)
   cpu_set_t set;
   CPU_ZERO(&set);
-  if (pin_one_per_thread_) {
-    CPU_SET(pin_cores_[static_cast<size_t>(index) % pin_cores_.size()], &set);
+  if (pin_one_per_thread_ && index > 0) {
+    const int core = pin_cores_[static_cast<size_t>(index) % pin_cores_.size()];
+    if (core < 0) return true;  // a negative entry: this thread stays unpinned, as in DeepSpeed
+    CPU_SET(core, &set);
   } else {
-    for (int core : pin_cores_) CPU_SET(core, &set);
+    // Thread 0 is the caller: any thread it starts later (torch's own) inherits its mask, and one
+    // core would confine them all; DeepSpeed's pinned pool does not pin the caller at all.
+    for (int core : pin_cores_)
+      if (core >= 0) CPU_SET(core, &set);
+    if (CPU_COUNT(&set) == 0) return true;
   }
   return pthread_setaffinity_np(thread, sizeof(cpu_set_t), &set) == 0;
 #else
@@ -83,7 +89,7 @@ bool ThreadPool::pin(const std::vector<int>& cores, bool one_per_thread) {
 #if defined(__linux__)
   if (cores.empty()) return true;
   for (int core : cores)
-    if (core < 0 || core >= CPU_SETSIZE) return false;
+    if (core >= CPU_SETSIZE) return false;  // negative entries mean "leave unpinned" (apply_pin)
   std::lock_guard<std::mutex> serial(run_mu_);  // no run() in flight while threads move
   pin_cores_ = cores;
   pin_one_per_thread_ = one_per_thread;

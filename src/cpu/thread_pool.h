@@ -21,8 +21,9 @@ class ThreadPool {
   void run(int n, Task task, void* ctx);
   int size() const { return static_cast<int>(workers_.size()) + 1; }
   // Pins the pool's threads to `cores` (Linux; elsewhere returns false and changes nothing):
-  // with one_per_thread, pool thread i (the caller of run() being 0) to cores[i % n] alone, for
-  // ZenFlow's optimizer process, whose pool owns its cores; otherwise every thread to the whole
+  // with one_per_thread, pool thread i >= 1 to cores[i % n] alone, for ZenFlow's optimizer
+  // process, whose pool owns its cores, and the calling thread (thread 0 of run()) to the whole
+  // list, since the threads it starts later inherit its mask; otherwise every thread to the whole
   // list (how the previous placement is restored). Workers started later get the same placement.
   // Returns false if the platform cannot pin or the kernel refused a core.
   bool pin(const std::vector<int>& cores, bool one_per_thread);

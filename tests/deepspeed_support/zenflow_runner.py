@@ -47,10 +47,10 @@ def use_deepspeeds_op() -> None:
 def _reference_child(*args, **kwargs):
     """ZenFlow's optimizer process in the reference run: install(), then DeepSpeed's own op."""
     import mps_fused_adam.deepspeed as mfd
-    from mps_fused_adam.deepspeed import zenflow
+    from mps_fused_adam.deepspeed import spawned
     mfd.install(use_mps=False)
     use_deepspeeds_op()
-    return zenflow._original["zenflow_optimizer_process"](*args, **kwargs)
+    return spawned.original("zenflow_optimizer_process")(*args, **kwargs)
 
 
 def make_data(world_size: int):

@@ -185,8 +185,8 @@ def install(block_jit: bool = True, use_mps: bool | None = None,
         rebound = rebind_names(accel)
         refresh_compatibility(accel)
         rebound += _apply_runtime_fixes(accel) + _state.pop("fixed", [])  # after set_accelerator
-        from .zenflow import patch_optimizer_process
-        patch_optimizer_process(block_jit)  # ZenFlow's spawned optimizer process runs install() too
+        from .spawned import patch_spawned_processes
+        patch_spawned_processes(block_jit)  # ZenFlow's and SuperOffload's optimizer processes run install() too
         previous = _state.get("report", {})
         _state["report"] = report = {
             "deepspeed": deepspeed.__version__,

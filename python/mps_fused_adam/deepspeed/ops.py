@@ -13,6 +13,7 @@ This module does not import DeepSpeed.
 """
 from __future__ import annotations
 
+import sys
 import threading
 from collections import Counter
 from typing import Dict, List, Sequence, Tuple
@@ -49,11 +50,23 @@ def _count(op: str, backend_name: str) -> None:
         _calls[f"{op}:{backend_name}"] += 1
 
 
+def cpu_weight_decay(weight_decay: float) -> float:
+    """The weight decay DeepSpeed's CPU kernels apply: they test ``weight_decay > 0`` (Adam in
+    both modes, Lion, Adagrad; ``cpu_adam.h``, ``cpu_lion.h``, ``cpu_adagrad.h`` of 0.19.8), so a
+    negative value, which their Python classes never reject, means none. The fused (CUDA) kernels
+    apply any value, and so do the ``multi_tensor_*`` facades."""
+    weight_decay = float(weight_decay)
+    return weight_decay if weight_decay > 0 else 0.0
+
+
 def _check(name: str, t: torch.Tensor, like: torch.Tensor | None = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"mps_fused_adam.deepspeed: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.is_sparse:
-        raise RuntimeError(f"mps_fused_adam.deepspeed: {name} is sparse; Adam needs dense tensors")
+    if t.layout != torch.strided:
+        # Sparse (COO, CSR, CSC, BSR, BSC) and mkldnn tensors: rejected here, before any group of a
+        # call is written, not by a later group's kernel call.
+        raise RuntimeError(f"mps_fused_adam.deepspeed: {name} has layout {t.layout}; the optimizer ops "
+                           f"need dense (torch.strided) tensors")
     if t.dtype not in _SUPPORTED:
         raise TypeError(f"mps_fused_adam.deepspeed: {name} has dtype {t.dtype}; expected one of "
                         f"{', '.join(str(d) for d in _SUPPORTED)}")
@@ -195,7 +208,7 @@ class CPUAdamOp:
         """One Adam step of ``params`` in place with optimizer ``optimizer_id``'s mode; returns 0."""
         cfg = self._config(optimizer_id)
         hp = AdamHyper(lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(epsilon),
-                       weight_decay=float(weight_decay), step=int(step), adam_w_mode=cfg["adamw_mode"],
+                       weight_decay=cpu_weight_decay(weight_decay), step=int(step), adam_w_mode=cfg["adamw_mode"],
                        bias_correction=bool(bias_correction))
         _update("adam_update", [params], [grads], [exp_avg], [exp_avg_sq], hp)
         return 0
@@ -219,8 +232,11 @@ class CPUAdamOp:
 
         Where DeepSpeed ignores the flags (it always bias-corrects and always treats weight
         decay as decoupled), this honours ``bias_correction=False`` and L2 mode
-        (``adamw_mode=False``), so the rollback inverts the step that was actually taken. The
-        result equals the state before the step up to fp32 rounding, not bit for bit.
+        (``adamw_mode=False`` at ``create_adam``), so the rollback inverts the step that was
+        actually taken; an ``optimizer_id`` that is not (or no longer) created inverts the AdamW
+        form, as DeepSpeed's always does. A weight decay of 0 or below inverts no decay, as the
+        update applied none. The result equals the state before the step up to fp32 rounding,
+        not bit for bit.
 
         fp16 and bf16 storage (params and grads, and states in fp32 or the param dtype) is rolled
         back too, where DeepSpeed's returns -1 and changes nothing (its caller then decrements the
@@ -243,7 +259,11 @@ class CPUAdamOp:
         already lost, which no inverse can recover; when it is below half a storage ulp of the old
         value, the old value comes back exactly.
         """
-        cfg = self._config(optimizer_id)
+        with self._lock:
+            cfg = self._optimizers.get(int(optimizer_id))
+        # DeepSpeed's rollback never looks the id up (it always inverts the AdamW form): an id that
+        # was never created, or was destroyed, gets that form here too instead of an error.
+        adamw_mode = True if cfg is None else cfg["adamw_mode"]
         tensors = dict(params=params, grads=grads, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
         for name, t in tensors.items():
             _check(name, t, None if name == "params" else params)
@@ -257,7 +277,7 @@ class CPUAdamOp:
 
         # The scalars our update used (contract v2), so the rollback inverts our step.
         k = adam_scalars(AdamHyper(lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(epsilon),
-                                   weight_decay=float(weight_decay), step=step, adam_w_mode=cfg["adamw_mode"],
+                                   weight_decay=cpu_weight_decay(weight_decay), step=step, adam_w_mode=adamw_mode,
                                    bias_correction=bool(bias_correction)))
         with torch.no_grad():
             p = params.detach()
@@ -368,6 +388,31 @@ def _rollback_fp32(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.T
     new_v = (v - f32(k.one_minus_beta2, v) * (g * g)) / f32(k.beta2, v)
     return new_p, new_m, new_v
 
+
+# DeepSpeed's cpu_adam op defines these only on Linux (``#if defined(__linux__)`` in cpu_adam.cpp,
+# 0.19.8), and code that can use them (its own test_zenflow_adam_cross_process) asks
+# ``hasattr(op, "zenflow_adam_ctrl_size")``; so off Linux ours lacks them too.
+ZENFLOW_LINUX_ONLY = ("zenflow_adam_ctrl_size", "zenflow_adam_ctrl_init", "zenflow_adam_run_worker",
+                      "zenflow_adam_submit", "zenflow_adam_wait", "zenflow_adam_ctrl_exit")
+
+
+def without_linux_only_zenflow(cls: type) -> type:
+    """``cls`` (:class:`CPUAdamOp`) as it is built off Linux: without :data:`ZENFLOW_LINUX_ONLY`, so
+    ``hasattr`` answers False, and reading one of them raises an ``AttributeError`` that says why."""
+    ns = {k: v for k, v in vars(cls).items() if k not in ZENFLOW_LINUX_ONLY + ("__dict__", "__weakref__")}
+
+    def __getattr__(self, name: str):
+        if name in ZENFLOW_LINUX_ONLY:
+            from .zenflow import LINUX_ONLY
+            raise AttributeError(f"{name}: {LINUX_ONLY}")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    ns["__getattr__"] = __getattr__
+    return type(cls.__name__, cls.__bases__, ns)
+
+
+if not sys.platform.startswith("linux"):
+    CPUAdamOp = without_linux_only_zenflow(CPUAdamOp)  # type: ignore[misc]
 
 FUSED_ADAM_OP = FusedAdamOp()
 CPU_ADAM_OP = CPUAdamOp()

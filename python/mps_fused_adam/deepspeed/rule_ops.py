@@ -19,7 +19,10 @@ own kernels differ from the contract, the contract wins and the difference is do
   ``sign(0)`` as +1 (``-copysign(lr, c)``); ours round each operation and leave the parameter
   alone where the interpolated momentum is exactly 0 (as lion_pytorch does). NaN propagates.
 * Adagrad: DeepSpeed's ``cpu_adagrad`` has no learning-rate decay (the step only counts), so
-  neither has this facade; weight decay is L2 (added to the gradient), applied when non-zero.
+  neither has this facade; weight decay is L2 (added to the gradient).
+* Weight decay in the CPU ops (``lion_update``, ``adagrad_update``, as ``adam_update``) applies
+  only when positive, as DeepSpeed's CPU kernels test it (``ops.cpu_weight_decay``);
+  ``multi_tensor_lion`` applies any value, as DeepSpeed's CUDA kernel does.
 
 This module does not import DeepSpeed.
 """
@@ -32,7 +35,7 @@ import torch
 
 from ..backends import get_backend, update_staged
 from ..contract import AdagradHyper, LionHyper
-from .ops import _check, _count
+from .ops import _check, _count, cpu_weight_decay
 
 __all__ = ["FusedLionOp", "CPULionOp", "CPUAdagradOp", "FUSED_LION_OP", "CPU_LION_OP", "CPU_ADAGRAD_OP"]
 
@@ -148,7 +151,7 @@ class CPULionOp(_Registry):
                     params: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor) -> int:
         """One Lion step of ``params`` in place (``step`` is not used by Lion); returns 0."""
         self._require(optimizer_id)
-        hp = LionHyper(lr=float(lr), beta1=float(beta1), beta2=float(beta2), weight_decay=float(weight_decay))
+        hp = LionHyper(lr=float(lr), beta1=float(beta1), beta2=float(beta2), weight_decay=cpu_weight_decay(weight_decay))
         _update("lion_update", "lion", [params], [grads], ["exp_avg"], [[exp_avg]], hp)
         return 0
 
@@ -177,7 +180,8 @@ class CPUAdagradOp(_Registry):
         """One Adagrad step of ``params`` in place; ``exp_avg_sq`` is the running sum of squared
         gradients. DeepSpeed's kernel has no learning-rate decay, so ``step`` only counts. Returns 0."""
         self._require(optimizer_id)
-        hp = AdagradHyper(lr=float(lr), eps=float(epsilon), weight_decay=float(weight_decay), step=max(int(step), 1))
+        hp = AdagradHyper(lr=float(lr), eps=float(epsilon), weight_decay=cpu_weight_decay(weight_decay),
+                          step=max(int(step), 1))
         _update("adagrad_update", "adagrad", [params], [grads], ["exp_avg_sq"], [[exp_avg_sq]], hp)
         return 0
 

@@ -16,8 +16,8 @@ buffer. This module is that API with DeepSpeed's signatures and semantics:
   from ``contract.adam_scalars``, the CPU backend), so a ZenFlow step equals an ``adam_update``
   with the same arguments bit for bit; the pool's threads are pinned one per core of the affinity
   list for the duration of ``run_worker`` (Linux; macOS cannot pin threads);
-* the optimizer process is spawned, so it never ran ``install()``; :func:`patch_optimizer_process`
-  (called by ``install()``) makes it run ``install()`` before DeepSpeed's own process body, so its
+* the optimizer process is spawned, so it never ran ``install()``; ``install()`` makes it run
+  ``install()`` before DeepSpeed's own process body (``spawned.py``), so its
   ``CPUAdamBuilder().load()`` returns our op too and nothing is JIT-built there either.
 
 ZenFlow's cross-process API is Linux-only, as in DeepSpeed (macOS has no unnamed process-shared
@@ -25,15 +25,13 @@ semaphores); elsewhere the control-block functions raise ``RuntimeError`` saying
 """
 from __future__ import annotations
 
-import functools
-import threading
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from ..contract import AdamHyper
+from ..contract import AdamHyper, adam_scalars
 
-__all__ = ["ZenFlowAdam", "supported", "control_info", "patch_optimizer_process"]
+__all__ = ["ZenFlowAdam", "supported", "control_info"]
 
 LINUX_ONLY = ("ZenFlow's cross-process optimizer (zenflow_adam_ctrl_*, _submit, _wait, _run_worker) is Linux-only, "
               "as in DeepSpeed 0.19.8, whose cpu_adam op defines it only on Linux: it needs unnamed process-shared "
@@ -113,9 +111,8 @@ class ZenFlowAdam:
     def __init__(self, op, optimizer_id: int, affinity: Sequence[int]) -> None:
         self.op = op
         self.optimizer_id = int(optimizer_id)
+        # A negative entry leaves its pool thread unpinned, as in DeepSpeed's pinned pool.
         self.affinity = [int(c) for c in affinity]
-        if any(c < 0 for c in self.affinity):
-            raise ValueError(f"zenflow_adam_create: core numbers must be >= 0, got {self.affinity}")
         self.groups: List[_Group] = []
 
     def register_group(self, param: torch.Tensor, grad0: torch.Tensor, grad1: torch.Tensor, exp_avg0: torch.Tensor,
@@ -146,7 +143,7 @@ class ZenFlowAdam:
     def run_worker(self, ctrl: int) -> None:
         """The optimizer process's loop: run each submitted step until the exit command."""
         from ..backends import get_backend
-        from .ops import _update
+        from .ops import _update, cpu_weight_decay
 
         cpu = _linux_cpu()
         ctrl = int(ctrl)
@@ -154,9 +151,10 @@ class ZenFlowAdam:
         cores_before = cpu.thread_cores()
         borrowed = cpu.thread_pool() != "own"
         if self.affinity:
-            # One pool thread per core of ZenFlow's list, this thread on the first, as DeepSpeed's
-            # pinned pool; torch's thread count sizes our pool (backends.CPUBackend). Steps run on
-            # our own pool here, not on torch's OpenMP threads, which we do not pin.
+            # One pool thread per core of ZenFlow's list, as DeepSpeed's pinned pool; this thread,
+            # which takes part in each step, on the whole list (threads it starts, torch's, inherit
+            # its mask). torch's thread count sizes our pool (backends.CPUBackend). Steps run on our
+            # own pool here, not on torch's OpenMP threads, which we do not pin.
             cpu.use_torch_openmp(False)
             cpu.pin_pool(self.affinity, True)
             torch.set_num_threads(len(self.affinity))
@@ -170,10 +168,19 @@ class ZenFlowAdam:
                     raise RuntimeError(f"ZenFlowAdam: the control block carries {len(bias_correction)} param groups, "
                                        f"{len(self.groups)} were registered with zenflow_adam_register_group")
                 adamw_mode = self.op._config(self.optimizer_id)["adamw_mode"]
-                for i, grp in enumerate(self.groups):
+                hypers = []
+                for i in range(len(self.groups)):
                     lr, beta1, beta2, eps, weight_decay = hp[5 * i:5 * i + 5]
-                    h = AdamHyper(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=int(step),
-                                  adam_w_mode=adamw_mode, bias_correction=bool(bias_correction[i]))
+                    h = AdamHyper(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=cpu_weight_decay(weight_decay),
+                                  step=int(step), adam_w_mode=adamw_mode, bias_correction=bool(bias_correction[i]))
+                    try:  # every group's scalars before any group is written
+                        adam_scalars(h)
+                    except (ValueError, ArithmeticError) as exc:
+                        raise RuntimeError(f"ZenFlowAdam: the submitted step {step} cannot run param group {i} "
+                                           f"(lr {lr}, betas ({beta1}, {beta2}), eps {eps}): {exc}; no group of "
+                                           f"this step was updated") from exc
+                    hypers.append(h)
+                for grp, h in zip(self.groups, hypers):
                     _update("zenflow_adam", [grp.param], [grp.grad[now_state]], [grp.exp_avg[now_state]],
                             [grp.exp_avg_sq[now_state]], h)
                     if grp.stale is not None:
@@ -184,41 +191,3 @@ class ZenFlowAdam:
             if self.affinity and cores_before:
                 cpu.pin_pool(cores_before, False)
             cpu.use_torch_openmp(borrowed)
-
-
-# --- Making the spawned optimizer process run install() ------------------------------------------
-
-_original: Dict[str, Any] = {}
-_patch_lock = threading.Lock()
-
-
-def _optimizer_process_entry(install_kwargs: dict, *args, **kwargs):
-    """ZenFlow's optimizer process target: ``install()`` here, then DeepSpeed's own process body."""
-    from . import install
-    install(**install_kwargs)
-    return _original["zenflow_optimizer_process"](*args, **kwargs)
-
-
-def patch_optimizer_process(block_jit: bool) -> bool:
-    """Make ZenFlow's optimizer process (started with the "spawn" method, so it has not run
-    ``install()``) run ``install(block_jit=block_jit)`` first. Returns whether DeepSpeed has ZenFlow.
-
-    ``start_optimizer_process`` looks ``zenflow_optimizer_process`` up in its module when it starts
-    the process, so rebinding that name is enough; the replacement is a ``functools.partial`` of a
-    function of this module, which pickles by reference into the spawned process.
-    """
-    try:
-        import deepspeed.runtime.zenflow.zenflow_utils as zu
-    except ImportError:  # a DeepSpeed without ZenFlow
-        return False
-    with _patch_lock:
-        current = getattr(zu, "zenflow_optimizer_process", None)
-        if current is None:
-            return False
-        if isinstance(current, functools.partial) and current.func is _optimizer_process_entry:
-            current = _original["zenflow_optimizer_process"]
-        _original["zenflow_optimizer_process"] = current
-        zu.zenflow_optimizer_process = functools.partial(_optimizer_process_entry,
-                                                         {"block_jit": bool(block_jit), "use_mps": False})
-    return True
-
