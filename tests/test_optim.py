@@ -211,3 +211,183 @@ def test_first_step_does_not_import_torch_dynamo():
             "print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def _conv_pair(seed=0):
+    """A channels_last conv (its weight is not contiguous, so its group takes the full path every
+    step) and a copy."""
+    torch.manual_seed(seed)
+    a = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    b = copy.deepcopy(a)
+    return a, b
+
+
+def _same_grads(a, b, gen):
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        g = torch.randn(pa.shape, generator=gen)
+        pa.grad = g.clone().to(memory_format=torch.channels_last) if pa.dim() == 4 else g.clone()
+        pb.grad = g.clone().to(memory_format=torch.channels_last) if pb.dim() == 4 else g.clone()
+
+
+@pytest.mark.parametrize("how", ["replaced by {}", "cleared", "param swapped in place"])
+def test_full_path_sees_state_and_param_changes_as_torch(how):
+    """Groups that take the full validation every step (a non-contiguous param here) look states
+    up through a cache: an emptied or replaced state dict, or another param put in the group's
+    list in place, must act as in torch (fresh state), not reuse what was cached."""
+    a, b = _conv_pair()
+    oa = mfa.Adam(a.parameters(), lr=0.1)
+    ob = torch.optim.Adam(b.parameters(), lr=0.1, foreach=False)
+    gen = torch.Generator().manual_seed(1)
+    for i in range(4):
+        _same_grads(a, b, gen)
+        oa.step()
+        ob.step()
+        if i == 1:
+            if how == "replaced by {}":
+                oa.state[a.weight] = {}
+                ob.state[b.weight] = {}
+            elif how == "cleared":
+                oa.state[a.bias].clear()
+                ob.state[b.bias].clear()
+            else:
+                new_a = torch.nn.Parameter(torch.randn(4, generator=torch.Generator().manual_seed(5)))
+                new_b = torch.nn.Parameter(new_a.detach().clone())
+                oa.param_groups[0]["params"][1] = a.bias = new_a
+                ob.param_groups[0]["params"][1] = b.bias = new_b
+    for pa, pb in zip((a.weight, a.bias), (b.weight, b.bias)):
+        torch.testing.assert_close(pa.detach(), pb.detach(), rtol=1e-5, atol=1e-6)
+        assert int(oa.state[pa]["step"]) == int(ob.state[pb]["step"])
+        torch.testing.assert_close(oa.state[pa]["exp_avg"], ob.state[pb]["exp_avg"], rtol=1e-5, atol=1e-7)
+
+
+_MODE_CASES = [(src, dst, decoupled)
+               for src, dst in [(torch.optim.Adam, mfa.Adam), (mfa.Adam, torch.optim.Adam), (torch.optim.AdamW, mfa.Adam),
+                                (mfa.AdamW, torch.optim.Adam), (mfa.Adam, mfa.FusedAdam), (mfa.FusedAdam, mfa.Adam)]
+               for decoupled in (True, False) if decoupled or src not in (torch.optim.AdamW, mfa.AdamW)]
+
+
+@pytest.mark.parametrize("src,dst,decoupled", _MODE_CASES,
+                         ids=[f"{s.__module__.split('.')[0]}.{s.__name__}-{d.__module__.split('.')[0]}.{d.__name__}-"
+                              f"{'decoupled' if c else 'l2'}" for s, d, c in _MODE_CASES])
+def test_weight_decay_mode_travels_with_the_state_dict(src, dst, decoupled):
+    """torch keeps the mode in each group (``decoupled_weight_decay``), DeepSpeed's signature in
+    ``adam_w_mode``; a loaded state dict brings its mode, as torch -> torch does."""
+    def make(cls, params):
+        if cls in (torch.optim.AdamW, mfa.AdamW):
+            return cls(params, lr=1e-2, weight_decay=0.5)
+        if cls is mfa.FusedAdam:
+            return cls(params, lr=1e-2, weight_decay=0.5, adam_w_mode=decoupled)
+        return cls(params, lr=1e-2, weight_decay=0.5, decoupled_weight_decay=decoupled)
+    a, b, c = make_model(), make_model(), make_model()
+    b.load_state_dict(a.state_dict())
+    c.load_state_dict(a.state_dict())
+    oa = make(src, a.parameters())
+    train(a, oa, steps=2)
+    b.load_state_dict(a.state_dict())
+    c.load_state_dict(a.state_dict())
+    # The destination is built with the other mode; the loaded dict must set it back.
+    ob = (dst(b.parameters(), lr=1e-2, weight_decay=0.5, adam_w_mode=not decoupled) if dst is mfa.FusedAdam else
+          dst(b.parameters(), lr=1e-2, weight_decay=0.5, decoupled_weight_decay=not decoupled))
+    ob.load_state_dict(copy.deepcopy(oa.state_dict()))
+    oc = torch.optim.Adam(c.parameters(), lr=1e-2, weight_decay=0.5, decoupled_weight_decay=decoupled,
+                          foreach=False)
+    oc.load_state_dict(_as_torch_state_dict(oa.state_dict()))
+    train(b, ob, steps=2, seed=1)
+    train(c, oc, steps=2, seed=1)
+    assert_params_close(b, c)
+
+
+def _as_torch_state_dict(sd):
+    sd = copy.deepcopy(sd)
+    for g in sd["param_groups"]:
+        if "adam_w_mode" in g:  # FusedAdam's (DeepSpeed's) key, which torch does not read
+            g["decoupled_weight_decay"] = g.pop("adam_w_mode")
+        g.pop("bf16_stochastic_round", None)
+    return sd
+
+
+def test_load_state_dict_runs_torchs_hooks_in_torchs_order():
+    """Pre-hooks see (and may replace) the dict before anything is checked or loaded; post-hooks
+    run once everything, our re-taken states included, is loaded; each once, as in torch."""
+    results = {}
+    for cls in (torch.optim.AdamW, mfa.AdamW, mfa.AdamW8bit):
+        model = make_model()
+        opt = cls(model.parameters(), lr=1e-2)
+        train(model, opt, steps=2)
+        sd = copy.deepcopy(opt.state_dict())
+        calls = []
+
+        def pre(o, state_dict):
+            calls.append("pre")
+            renamed = copy.deepcopy(state_dict)
+            for st in renamed["state"].values():
+                st["exp_avg"] = st.pop("momentum")  # a checkpoint with its own key names
+                st["exp_avg"].zero_()
+            return renamed
+
+        def post(o):
+            calls.append("post")
+            for st in o.state.values():
+                st["exp_avg_sq"].fill_(1.0)
+
+        for st in sd["state"].values():
+            st["momentum"] = st.pop("exp_avg")
+        fresh = cls(model.parameters(), lr=1e-2)
+        fresh.register_load_state_dict_pre_hook(pre)
+        fresh.register_load_state_dict_post_hook(post)
+        fresh.load_state_dict(sd)
+        results[cls] = (calls, [(float(st["exp_avg"].abs().max()), float(st["exp_avg_sq"].min()))
+                                for st in fresh.state.values()])
+    assert results[mfa.AdamW] == results[torch.optim.AdamW] == results[mfa.AdamW8bit]  # small params: fp32 moments
+    assert results[mfa.AdamW][0] == ["pre", "post"] and results[mfa.AdamW][1][0] == (0.0, 1.0)
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: mfa.CPUAdam(ps, lr=1e-2, fp32_optimizer_states=False),
+    lambda ps: mfa.FusedAdam(ps, lr=1e-2, set_grad_none=False),
+    lambda ps: mfa.Lion(ps, lr=1e-3, weight_decay=0.1, decoupled_weight_decay=True),
+    lambda ps: mfa.FusedLion(ps, lr=1e-3, set_grad_none=False),
+    lambda ps: mfa.AdamW(ps, lr=1e-2),
+    lambda ps: mfa.Adagrad(ps, lr=1e-2),
+], ids=["CPUAdam", "FusedAdam", "Lion", "FusedLion", "AdamW", "Adagrad"])
+def test_deepcopy_and_pickle_keep_constructor_options(make, tmp_path):
+    """Options kept as attributes (DeepSpeed's and lion_pytorch's signatures) survive
+    copy.deepcopy and torch.save/torch.load, and the copy trains as the original does."""
+    model = make_model()
+    opt = make(model.parameters())
+    train(model, opt, steps=2)
+    torch.save((model, opt), tmp_path / "both.pt")
+    for twin_model, twin in (copy.deepcopy((model, opt)), torch.load(tmp_path / "both.pt", weights_only=False)):
+        for k in type(opt)._config_attributes:
+            assert getattr(twin, k) == getattr(opt, k), k
+    # Both copies (each optimizer on its copied model's params) train on as the original does.
+    twins = [copy.deepcopy((model, opt)), torch.load(tmp_path / "both.pt", weights_only=False)]
+    train(model, opt, steps=2, seed=1)
+    for twin_model, twin in twins:
+        train(twin_model, twin, steps=2, seed=1)
+        for pa, pb in zip(model.parameters(), twin_model.parameters()):
+            assert torch.equal(pa, pb)
+
+
+def test_malformed_step_count_rejected_before_any_group_is_written():
+    a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    opt = mfa.AdamW([{"params": [a]}, {"params": [b]}], lr=1e-2)
+    for p in (a, b):
+        p.grad = torch.ones(4)
+    opt.step()
+    opt.state[b]["step"] = None
+    before = [a.detach().clone(), opt.state[a]["exp_avg"].clone(), opt.state[a]["step"]]
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[0\].*'step' is None"):
+        opt.step()
+    assert torch.equal(a.detach(), before[0]) and torch.equal(opt.state[a]["exp_avg"], before[1])
+    assert opt.state[a]["step"] == before[2]
+
+
+def test_fused_adam_ignores_grad_scaler_as_deepspeed():
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    opt = mfa.FusedAdam([p], lr=1e-2)
+    opt.step(grad_scaler=object())  # DeepSpeed's FusedAdam.step never reads it
+    assert not torch.equal(p.detach(), torch.ones(3))
+    with pytest.raises(RuntimeError, match="FusedAdam has been updated"):
+        opt.step(scale=2.0)

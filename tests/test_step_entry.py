@@ -151,3 +151,25 @@ def test_legacy_arguments_still_rejected():
     lion = mfa.FusedLion(_params())
     with pytest.raises(RuntimeError, match="FusedLion has been updated"):
         lion.step(scale=2.0)
+
+
+@pytest.mark.parametrize("base", [mfa.AdamW, mfa.FusedAdam, mfa.Lion])
+def test_subclass_overriding_step_runs_hooks_once(base):
+    """A user's subclass whose ``step`` calls ``super().step()``: torch wraps the subclass's step
+    (its _patch_step_function), so the hooks run there, once per step. (torch's own AdamW runs
+    them twice in such a subclass once an AdamW of its own has been made, which wraps the base
+    class's step too; ours never do.)"""
+    base([torch.nn.Parameter(torch.ones(1))])  # the base class's own instance, made first
+    class Mine(base):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = Mine([p], lr=1e-2)
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append("post"))
+    for _ in range(2):
+        p.grad = torch.ones(4)
+        opt.step()
+    assert calls == ["pre", "post", "pre", "post"]

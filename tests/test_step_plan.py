@@ -524,3 +524,38 @@ def test_environment_variable_turns_the_shim_off():
         out[value] = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                                     check=True).stdout.strip()
     assert out == {"0": "False", "1": "True"}
+
+
+@pytest.mark.parametrize("how", ["unsqueeze_", "resize_", "as_strided_"])
+def test_state_tensor_changed_in_place_is_seen(how):
+    """An in-place shape or stride change of a state tensor keeps its object and its address: the
+    plan must still see it and leave the step to the full validation, which rejects it (a shape
+    change) or stages it (a square state transposed in place), as on the first step."""
+    m = Mirror([(4, 4), (4, 4)])
+    m.step()
+    m.step()
+    st = m.opt.state[m.params[1]]
+    t = st["exp_avg"]
+    if how == "unsqueeze_":
+        t.unsqueeze_(0)
+    elif how == "resize_":
+        st["exp_avg_sq"].resize_(2, 8)
+    else:
+        t.as_strided_((4, 4), (1, 4))  # transposed in place: same memory, other element order
+    for p in m.params:
+        p.grad = torch.randn(4, 4)
+    before = [p.detach().clone() for p in m.params]
+    if how == "as_strided_":
+        # The full path updates the transposed state through a contiguous copy, element for element.
+        m.refs[1][2] = t.detach().clone()  # the state as a tensor now reads: transposed
+        for i, (p, ref) in enumerate(zip(m.params, m.refs)):
+            ref[1] = p.grad.clone()
+            ref[4] += 1
+            reference_adam_(*ref[:4], AdamHyper(LR, 0.9, 0.999, 1e-8, WD, ref[4]))
+        m.opt.step()
+        assert torch.equal(m.params[1].detach(), m.refs[1][0])
+        assert torch.equal(m.opt.state[m.params[1]]["exp_avg"], m.refs[1][2])
+        return
+    with pytest.raises(ValueError, match=r"\['params'\]\[1\].*optimizer state 'exp_avg(_sq)?' is"):
+        m.opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(m.params, before))

@@ -9,6 +9,7 @@ object, and its signature; nothing else.
 """
 from __future__ import annotations
 
+import operator
 import sys
 from typing import Any, Callable, Iterable, Optional
 
@@ -32,6 +33,39 @@ def _optimizer_method(name: str) -> Callable[..., Any]:
 
 
 _CPU = torch.device("cpu")
+
+
+def load_state_dict_with_hooks(opt: torch.optim.Optimizer, state_dict: dict[str, Any],
+                               check: Callable[[dict[str, Any]], None],
+                               retake: Callable[[dict[str, Any]], None]) -> None:
+    """torch's ``load_state_dict`` with a check before it and a re-take of states after it, the
+    load hooks where torch runs them: the pre-hooks first (they may replace the dict, which is
+    then the one checked and loaded), the post-hooks once everything, the re-take included, is
+    loaded; each once."""
+    state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
+    pre = getattr(opt, "_optimizer_load_state_dict_pre_hooks", None)
+    post = getattr(opt, "_optimizer_load_state_dict_post_hooks", None)
+    for hook in list((pre or {}).values()):
+        result = hook(opt, state_dict)
+        if result is not None:
+            state_dict = result
+    check(state_dict)
+    # torch's own load, with its hook tables empty for the call: the pre-hooks ran above, and the
+    # post-hooks must see the re-taken states.
+    if pre is not None:
+        opt._optimizer_load_state_dict_pre_hooks = type(pre)()
+    if post is not None:
+        opt._optimizer_load_state_dict_post_hooks = type(post)()
+    try:
+        _optimizer_method("load_state_dict")(opt, state_dict)
+    finally:
+        if pre is not None:
+            opt._optimizer_load_state_dict_pre_hooks = pre
+        if post is not None:
+            opt._optimizer_load_state_dict_post_hooks = post
+    retake(state_dict)
+    for hook in list((post or {}).values()):
+        hook(opt)
 
 
 class _FusedOptimizer(torch.optim.Optimizer):
@@ -89,12 +123,29 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _state_dtype(self, p: torch.Tensor) -> torch.dtype:
         return self._fixed_state_dtype or p.dtype
 
+    # Constructor options kept as attributes (DeepSpeed's and lion_pytorch's signatures), which
+    # torch's Optimizer.__getstate__ leaves out: carried through pickling and copy.deepcopy here.
+    _config_attributes: tuple[str, ...] = ()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["mps_fused_adam_config"] = {k: getattr(self, k) for k in self._config_attributes}
+        return state
+
     def __setstate__(self, state: dict[str, Any]) -> None:
+        config = state.pop("mps_fused_adam_config", None)
         super().__setstate__(state)
-        # A state dict from torch.optim lacks our group keys: take them from our defaults.
+        if config is not None:
+            self.__dict__.update(config)
         for group in self.param_groups:
+            self._adopt_group_keys(group)
+            # A state dict from torch.optim lacks our group keys: take them from our defaults.
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
+
+    def _adopt_group_keys(self, group: dict[str, Any]) -> None:
+        """A loaded group of the optimizer we stand in for may say under its own name what ours
+        says under another (torch's ``decoupled_weight_decay``, ours ``adam_w_mode``)."""
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of ours or of the optimizer we stand in for (``torch.optim.Adam``/
@@ -103,10 +154,15 @@ class _FusedOptimizer(torch.optim.Optimizer):
         torch casts loaded states to the parameter's dtype; we re-take them from the saved
         tensors in this optimizer's state dtype (fp32 states of bf16 params stay exact), and keep
         ``step`` as a Python int. A state dict of another optimizer (SGD's, say) or with moments
-        of the wrong shape is rejected before anything is loaded.
+        of the wrong shape is rejected before anything is loaded. As in torch, the load pre-hooks
+        (``register_load_state_dict_pre_hook``) see the dict first and may replace it, and the
+        post-hooks run after everything is loaded.
         """
-        validate.check_state_dict(state_dict, self.param_groups, self._state_dict_kind)
-        _optimizer_method("load_state_dict")(self, state_dict)
+        load_state_dict_with_hooks(
+            self, state_dict, lambda sd: validate.check_state_dict(sd, self.param_groups, self._state_dict_kind),
+            self._retake_states)
+
+    def _retake_states(self, state_dict: dict[str, Any]) -> None:
         saved_state = state_dict["state"]
         for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
             for key, p in zip(saved_group["params"], group["params"]):
@@ -124,15 +180,22 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _slots(self, gi: int, params: list) -> list:
         """Each group's states as a list aligned with its params, so a step looks states up by
         position instead of hashing 1,000 tensors (torch's Tensor.__hash__ runs in Python).
-        Rebuilt when the group's param list, ``self.state`` or its size changes."""
+        Kept while the group holds the same param objects in the same places and ``self.state``
+        the same per-param dicts (``_cpu.DictSnapshot``: a replaced or removed dict shows); a dict
+        emptied in place reads as no state (``_plan_group``), as torch's optimizers take it."""
         cache = self.__dict__.setdefault("_slot_cache", {})
         entry = cache.get(gi)
         state = self.state
-        if (entry is None or entry[0] is not params or entry[1] != len(params) or entry[2] is not state
-                or entry[3] != len(state)):
+        if (entry is None or entry[0] is not params or len(entry[1]) != len(params)
+                or not all(map(operator.is_, entry[1], params)) or entry[2] is None
+                or not entry[2].unchanged(state)):
+            native = step_plan.native()
+            snapshot = native.DictSnapshot(state) if native is not None else None
             slots = [state[p] if state.get(p) else None for p in params]
-            entry = cache[gi] = (params, len(params), state, len(state), slots)
-        return entry[4]
+            if snapshot is None:
+                return slots  # no extension: nothing to prove the cache with, so no cache
+            entry = cache[gi] = (params, tuple(params), snapshot, slots)
+        return entry[3]
 
     @fast_step_entry
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -253,7 +316,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             g = p.grad
             if g is None:
                 continue
-            st = slots[pi]
+            st = slots[pi] or None  # a state dict emptied since: fresh state, as torch takes it
             dt = p.dtype
             shape = p.shape
             on_cpu = p.is_cpu
@@ -274,6 +337,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
                     for t in states:
                         ok = (ok and t.dtype is sd and t.shape == shape
                               and (t.is_cpu if on_cpu else t.device == p.device))
+                    taken = st.get("step", 0)
+                    ok = ok and type(taken) is int and taken >= 0
                 if ok and only is not None:
                     ok = p.device.type == only
             except AttributeError:
@@ -300,7 +365,19 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
 
 class _AdamBase(_FusedOptimizer):
-    """The Adam rule. Group keys: lr, betas, eps, weight_decay, adam_w_mode, bias_correction, maximize."""
+    """The Adam rule. Group keys: lr, betas, eps, weight_decay, bias_correction, maximize, and the
+    weight-decay mode under the name of the optimizer a class stands in for (``_mode_key``)."""
+
+    # torch.optim.Adam/AdamW: decoupled_weight_decay; DeepSpeed's FusedAdam/DeepSpeedCPUAdam: adam_w_mode.
+    _mode_key = "adam_w_mode"
+    _MODE_KEYS = ("adam_w_mode", "decoupled_weight_decay")
+
+    def _adopt_group_keys(self, group: dict[str, Any]) -> None:
+        if self._mode_key not in group:
+            for other in self._MODE_KEYS:
+                if other in group:
+                    group[self._mode_key] = bool(group[other])
+                    break
 
     def _check_group(self, group: dict[str, Any], where: str) -> None:
         validate.check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"], where=where)
@@ -309,7 +386,7 @@ class _AdamBase(_FusedOptimizer):
         beta1, beta2 = group["betas"]
         return AdamHyper(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                          weight_decay=float(group["weight_decay"]), step=step,
-                         adam_w_mode=bool(group["adam_w_mode"]), bias_correction=bool(group["bias_correction"]),
+                         adam_w_mode=bool(group[self._mode_key]), bias_correction=bool(group["bias_correction"]),
                          maximize=bool(group["maximize"]))
 
 
@@ -355,6 +432,7 @@ class Adam(_AdamBase):
     element index: reproducible under ``torch.manual_seed``); other dtypes are unaffected."""
 
     _name = "Adam"
+    _mode_key = "decoupled_weight_decay"  # torch's group key, so state dicts carry the mode both ways
 
     def __init__(self, params: _Params, lr: float | torch.Tensor = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0,
@@ -363,7 +441,7 @@ class Adam(_AdamBase):
                  decoupled_weight_decay: bool = False, bf16_stochastic_round: bool = False) -> None:
         self._check_unsupported(amsgrad, capturable, differentiable)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                      adam_w_mode=decoupled_weight_decay, bias_correction=True,
+                                      decoupled_weight_decay=bool(decoupled_weight_decay), bias_correction=True,
                                       maximize=maximize, bf16_stochastic_round=bool(bf16_stochastic_round)))
 
     def _check_unsupported(self, amsgrad: bool, capturable: bool, differentiable: bool) -> None:
@@ -403,6 +481,8 @@ class FusedAdam(_AdamBase):
                                       adam_w_mode=adam_w_mode, bias_correction=bias_correction, maximize=False,
                                       bf16_stochastic_round=bool(bf16_stochastic_round)))
 
+    _config_attributes = ("set_grad_none",)
+
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
 
@@ -410,8 +490,8 @@ class FusedAdam(_AdamBase):
     def step(self, closure: Optional[Callable[[], Any]] = None, grads: Any = None, output_params: Any = None,
              scale: Any = None, grad_norms: Any = None, grad_scaler: Any = None) -> Any:
         """One step. DeepSpeed's legacy arguments (``grads``, ``output_params``, ``scale``,
-        ``grad_norms``, ``grad_scaler``) are rejected, as DeepSpeed's FusedAdam does."""
-        if any(a is not None for a in (grads, output_params, scale, grad_norms, grad_scaler)):
+        ``grad_norms``) are rejected and ``grad_scaler`` is ignored, as DeepSpeed's FusedAdam does."""
+        if any(a is not None for a in (grads, output_params, scale, grad_norms)):
             raise RuntimeError("FusedAdam has been updated; simply initialize it identically to torch.optim.Adam "
                                "and call step() with no arguments except an optional closure")
         return self._step(closure)
@@ -425,6 +505,7 @@ class CPUAdam(_AdamBase):
     """
 
     _device_type = "cpu"
+    _config_attributes = ("fp32_optimizer_states",)
 
     def __init__(self, model_params: _Params, lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0,
@@ -450,6 +531,7 @@ class Lion(_FusedOptimizer):
 
     _rule = "lion"
     _state_dict_kind = validate.StateDictKind("Lion", ("betas",), ("eps", "lr_decay"), ("exp_avg",))
+    _config_attributes = ("_init_lr", "decoupled_wd")
 
     def __init__(self, params: _Params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0, use_triton: bool = False, decoupled_weight_decay: bool = False) -> None:
@@ -473,6 +555,8 @@ class Lion(_FusedOptimizer):
 
 class FusedLion(Lion):
     """DeepSpeed's ``FusedLion`` signature (its defaults, ``set_grad_none``), on any device."""
+
+    _config_attributes = Lion._config_attributes + ("set_grad_none",)
 
     def __init__(self, params: _Params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  weight_decay: float = 0.0, set_grad_none: bool = True) -> None:

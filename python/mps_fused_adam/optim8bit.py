@@ -14,7 +14,7 @@ from . import lowbit, validate
 from .contract import AdamHyper
 from .lowbit import MIN_8BIT_SIZE, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE, num_blocks
 from .backends import CPUBackend, get_backend, update_staged
-from .optim import _optimizer_method
+from .optim import _optimizer_method, load_state_dict_with_hooks
 from .step_entry import fast_step_entry
 from .reference_lowbit import reference_adam8bit_, reference_adam_sr_
 
@@ -75,8 +75,11 @@ class _Adam8bitBase(torch.optim.Optimizer):
 
         torch casts floating state tensors to the parameter's dtype; the block scales and fp32
         moments are re-taken from the saved tensors as fp32, ``step`` and ``sr_seed`` as ints.
+        torch's load pre- and post-hooks run as torch runs them.
         """
-        _optimizer_method("load_state_dict")(self, state_dict)
+        load_state_dict_with_hooks(self, state_dict, lambda sd: None, self._retake_states)
+
+    def _retake_states(self, state_dict: dict[str, Any]) -> None:
         saved_state = state_dict["state"]
         for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
             for key, p in zip(saved_group["params"], group["params"]):

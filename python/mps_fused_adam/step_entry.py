@@ -37,13 +37,19 @@ def _observed(opt: torch.optim.Optimizer) -> bool:
 
 def fast_step_entry(step: _F) -> _F:
     """Decorate an optimizer class's ``step`` (see the module docstring). The decorated method
-    must not call another decorated ``step`` (``super().step``): each would run the hooks."""
+    must not call another decorated ``step`` (``super().step``): each would run the hooks.
+
+    A user's subclass that overrides ``step`` and calls ``super().step()`` gets torch's wrapper
+    around its own ``step`` (torch's ``_patch_step_function``), which runs the hooks once; the
+    entry then calls the step directly, so the hooks do not run a second time."""
     hooked = torch.optim.Optimizer.profile_hook_step(step)
 
     @functools.wraps(step)
     def entry(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         if _observed(self):
-            return hooked(self, *args, **kwargs)
+            outer = type(self).step
+            if outer is entry or not getattr(outer, "hooked", False):
+                return hooked(self, *args, **kwargs)
         return step(self, *args, **kwargs)
 
     entry.hooked = True  # type: ignore[attr-defined]  # torch's _patch_step_function skips it

@@ -15,7 +15,9 @@ proves, in one C++ loop, that
 - each grad is a dense, contiguous tensor of the param's dtype, shape and device (its address is
   gathered for the kernel on the way);
 - each state dict still holds the planned state tensors (Adam: ``exp_avg``, ``exp_avg_sq``), at
-  the planned addresses, and the planned step count;
+  the planned addresses, with the planned dtype, the param's shape and contiguous (an in-place
+  ``resize_``, ``t_`` or ``unsqueeze_`` of a state keeps the object and its address), and the
+  planned step count;
 
 and, once per step, that the optimizer's ``state`` dict is the same object with the same keys and
 per-param dicts (``_cpu.DictSnapshot``: this notices ``load_state_dict`` and a replaced or removed

@@ -109,6 +109,10 @@ def check_state(p: torch.Tensor, state: Mapping[str, Any], name: str, state_dtyp
         if t.shape != p.shape or t.device != p.device or t.dtype is not state_dtype:
             raise ValueError(f"{describe(p, name)}: optimizer state '{key}' is {describe(t, key)}; expected "
                              f"shape {tuple(p.shape)}, {str(state_dtype).replace('torch.', '')}, {p.device}")
+    step = state.get("step", 0)
+    if type(step) is not int or step < 0:  # the optimizers keep it a Python int (load_state_dict too)
+        raise ValueError(f"{describe(p, name)}: optimizer state 'step' is {step!r} ({type(step).__name__}); "
+                         f"expected the number of steps taken, a non-negative int")
 
 
 # What marks a state dict as Adam's: every group has these hyperparameters (torch.optim.Adam/AdamW,

@@ -174,6 +174,7 @@ class GroupPlan {
         states_.push_back(Ref(tensors[j].ptr()));
         state_addrs_.push_back(to_u64(addrs[j]));
       }
+      if (k > 0) x.sdtype = Ref(nb::getattr(tensors[0], "dtype").ptr());
       x.step = Ref(e[9].ptr());
       // The device test: a bool property where there is one (no torch.device object to build).
       std::string type = nb::cast<std::string>(nb::getattr(e[4], "type"));
@@ -220,16 +221,23 @@ class GroupPlan {
     return true;
   }
 
-  // Entry i's state: the same dict entries, the same tensors (at the same addresses, read through
-  // their data_ptr(), if `addresses`: the shim path reads them in shim_unchanged()), the planned step.
-  bool state_unchanged(size_t i, bool addresses) const {
+  // Entry i's state: the same dict entries, the same tensors and, if `metadata` (the shim path
+  // reads it in shim_planned() instead), each still at its planned address with the planned dtype
+  // and the param's shape, contiguous (an in-place resize_, t_ or unsqueeze_ keeps the object and
+  // the address); and the planned step.
+  bool state_unchanged(size_t i, bool metadata) const {
     const size_t k = keys_.size();
-    PyObject* st = entries_[i].st.get();
+    const Entry& e = entries_[i];
+    PyObject* st = e.st.get();
+    Names& n = names();
     for (size_t j = 0; j < k; ++j) {
       PyObject* t = PyDict_GetItemWithError(st, keys_[j].get());  // borrowed
       if (t != states_[i * k + j].get()) { PyErr_Clear(); return false; }
       uint64_t addr = 0;
-      if (addresses && (!attr_u64(t, names().data_ptr, &addr) || addr != state_addrs_[i * k + j])) return false;
+      if (metadata && (!attr_u64(t, n.data_ptr, &addr) || addr != state_addrs_[i * k + j] ||
+                       !attr_is(t, n.dtype, e.sdtype.get()) || !attr_eq(t, n.shape, e.shape.get()) ||
+                       !attr_is(t, n.is_contiguous, Py_True)))
+        return false;
     }
     PyObject* s = PyDict_GetItemWithError(st, names().step);
     if (s == nullptr) { PyErr_Clear(); return false; }
@@ -303,9 +311,10 @@ class GroupPlan {
   bool uses_handles() const { return !handles_.empty(); }
 
  private:
-  struct Planned {  // a param's metadata when the plan was made
+  struct Planned {  // a param's metadata when the plan was made, and its states' dtype
     int32_t dtype, device_type, device_index;
     std::vector<int64_t> sizes;
+    int32_t state_dtype = -1;
   };
 
   // Handles of every planned param and state tensor (param i at i * (k + 1), then its k states),
@@ -335,6 +344,16 @@ class GroupPlan {
         return;
       }
       planned_[i] = Planned{m.dtype, m.device_type, m.device_index, std::vector<int64_t>(m.sizes, m.sizes + m.dim)};
+      for (size_t j = 0; j < k; ++j) {
+        TensorMeta sm;
+        if (!TensorHandles::meta(handles_[i * (k + 1) + 1 + j], &sm) ||
+            sm.data != reinterpret_cast<void*>(state_addrs_[i * k + j]) || !sm.contiguous ||
+            (j > 0 && sm.dtype != planned_[i].state_dtype) || !same_as_planned(sm, planned_[i], sm.dtype)) {
+          drop_handles();
+          return;
+        }
+        planned_[i].state_dtype = sm.dtype;
+      }
     }
   }
 
@@ -344,8 +363,9 @@ class GroupPlan {
     planned_.clear();
   }
 
-  static bool same_as_planned(const TensorMeta& m, const Planned& p) {
-    if (m.dtype != p.dtype || m.device_type != p.device_type || m.device_index != p.device_index ||
+  // The planned param's device and sizes, and `dtype` (the param's by default; a state's dtype).
+  static bool same_as_planned(const TensorMeta& m, const Planned& p, int32_t dtype = -2) {
+    if (m.dtype != (dtype == -2 ? p.dtype : dtype) || m.device_type != p.device_type || m.device_index != p.device_index ||
         m.dim != int64_t(p.sizes.size()))
       return false;
     for (int64_t d = 0; d < m.dim; ++d)
@@ -403,7 +423,7 @@ class GroupPlan {
     for (size_t i = 0; i < entries_.size(); ++i) {
       const Entry& e = entries_[i];
       PyObject* p = e.p.get();
-      if (PyList_GET_ITEM(plist, e.index) != p || !state_unchanged(i, /*addresses=*/false)) return false;
+      if (PyList_GET_ITEM(plist, e.index) != p || !state_unchanged(i, /*metadata=*/false)) return false;
       PyObject* g = n.grad(p);
       if (g == nullptr) { PyErr_Clear(); return false; }
       const bool none = g == Py_None;
@@ -415,8 +435,9 @@ class GroupPlan {
   }
 
   // The shim reads of the planned tensors for entries [begin, end): no Python, so pool threads
-  // run it while the caller holds the GIL. Each param: nothing that validation looked at may have
-  // moved (.data assignment, resize); its states: the planned addresses.
+  // run it while the caller holds the GIL. Each param and each of its states: nothing that
+  // validation looked at may have changed (.data assignment, resize_, t_: address, dtype, device,
+  // sizes, contiguity).
   bool shim_planned(size_t begin, size_t end) const {
     const size_t k = keys_.size();
     for (size_t i = begin; i < end; ++i) {
@@ -425,9 +446,10 @@ class GroupPlan {
           !m.contiguous || !same_as_planned(m, planned_[i]))
         return false;
       for (size_t j = 0; j < k; ++j) {
-        void* data = nullptr;
-        if (!TensorHandles::address(handles_[i * (k + 1) + 1 + j], &data) ||
-            reinterpret_cast<uintptr_t>(data) != state_addrs_[i * k + j])
+        TensorMeta sm;  // an in-place resize_, t_ or unsqueeze_ keeps the object and the address
+        if (!TensorHandles::meta(handles_[i * (k + 1) + 1 + j], &sm) ||
+            reinterpret_cast<uintptr_t>(sm.data) != state_addrs_[i * k + j] || !sm.contiguous ||
+            !same_as_planned(sm, planned_[i], planned_[i].state_dtype))
           return false;
       }
     }
@@ -492,6 +514,7 @@ class GroupPlan {
   struct Entry {
     Py_ssize_t index = 0;
     Ref p, dtype, shape, device, st, step;
+    Ref sdtype;  // the state tensors' dtype (one for all of an entry's states, as validation requires)
     Accessor* on = nullptr;  // is_cpu or is_mps, or null: compare devices
     uint64_t pptr = 0;
   };

@@ -112,12 +112,6 @@ bool TensorHandles::meta(void* h, TensorMeta* m) {
   return true;
 }
 
-bool TensorHandles::address(void* h, void** data) {
-  Shim& s = shim();
-  int32_t layout = -1;
-  return !s.layout(h, &layout) && layout == s.strided && !s.data_ptr(h, data);
-}
-
 void TensorHandles::release(void* h) {
   if (h != nullptr) shim().del(h);
 }

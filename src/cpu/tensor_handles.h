@@ -39,9 +39,6 @@ class TensorHandles {
   static bool alloc(PyObject* tensors, std::vector<void*>& out);
   // False for tensors whose data cannot be addressed (sparse, mkldnn) or on any error.
   static bool meta(void* handle, TensorMeta* out);
-  // Only the data address (two shim calls instead of meta()'s eight): for tensors whose other
-  // metadata the caller does not rely on. Same failure cases as meta().
-  static bool address(void* handle, void** data);
   static void release(void* handle);
 };
 
