@@ -274,5 +274,10 @@ def make_backend(tier: int, pkg: Path, emu: Emulator, **kw):
     """Tier ``tier`` (1-3) of mps_backends.mps_tiers, its Apple pieces replaced by the stand-ins."""
     from mps_fused_adam.mps_backends import mps_tiers
     ext = kw.pop("ext", None) or FakeMetalExt(emu)
-    tiers = mps_tiers(load_ext=lambda: ext, mps_api=kw.pop("api", None) or FakeMpsApi(emu), package_dir=pkg)
-    return tiers[tier - 1][1]()
+    tiers = mps_tiers(load_ext=lambda: ext, mps_api=kw.pop("api", None) or FakeMpsApi(emu), package_dir=pkg,
+                      probe_device="cpu")
+    backend = tiers[tier - 1][1]()
+    # The tier's first-use probe ran through the stand-ins: the tests count only their own calls.
+    ext.calls.clear()
+    emu.dispatches.clear()
+    return backend

@@ -116,7 +116,8 @@ def test_benchmark_section_runs_through_emulated_tiers(tmp_path):
     (tmp_path / "metal").mkdir()
     shutil.copy(METAL_SOURCE, tmp_path / "metal" / "fused_adam.metal")
     emu = build_emulator()
-    tiers = mps_tiers(load_ext=lambda: FakeMetalExt(emu), mps_api=FakeMpsApi(emu), package_dir=tmp_path)
+    tiers = mps_tiers(load_ext=lambda: FakeMetalExt(emu), mps_api=FakeMpsApi(emu), package_dir=tmp_path,
+                      probe_device="cpu")
     printed: list[str] = []
     rows = bench_mps._run_section(4099, (3, 64), (5, 4), 2, printed.append, device="cpu",
                                   sync=lambda: None, tiers=tiers)

@@ -184,25 +184,25 @@ def _select(tiers):
 def test_fallback_when_extension_missing(emu, pkg):
     def no_ext():
         raise ImportError("cannot import name '_metal'")
-    backend, msgs = _select(mps_tiers(load_ext=no_ext, mps_api=FakeMpsApi(emu), package_dir=pkg))
+    backend, msgs = _select(mps_tiers(load_ext=no_ext, mps_api=FakeMpsApi(emu), package_dir=pkg, probe_device="cpu"))
     assert backend.name == "load_metallib"
     assert len(msgs) == 1 and "_metal extension" in msgs[0] and "cannot import name '_metal'" in msgs[0]
 
 
 def test_old_torch_skips_tier1(emu, pkg):
     backend, msgs = _select(mps_tiers(load_ext=lambda: FakeMetalExt(emu), mps_api=FakeMpsApi(emu),
-                                      package_dir=pkg, torch_version=lambda: (2, 8)))
+                                      package_dir=pkg, torch_version=lambda: (2, 8), probe_device="cpu"))
     assert backend.name == "load_metallib"
     assert len(msgs) == 1 and "older than 2.9" in msgs[0] and "endKernelCoalescing" in msgs[0]
     backend, msgs = _select(mps_tiers(load_ext=lambda: FakeMetalExt(emu), mps_api=FakeMpsApi(emu),
-                                      package_dir=pkg, torch_version=lambda: (2, 9)))
+                                      package_dir=pkg, torch_version=lambda: (2, 9), probe_device="cpu"))
     assert backend.name == "metal" and msgs == []
 
 
 def test_fallback_when_metallib_missing(emu, pkg):
     (pkg / METALLIB_NAME).unlink()
     backend, msgs = _select(mps_tiers(load_ext=lambda: FakeMetalExt(emu), mps_api=FakeMpsApi(emu),
-                                      package_dir=pkg))
+                                      package_dir=pkg, probe_device="cpu"))
     assert backend.name == "compile_shader"
     assert len(msgs) == 2 and all("metallib missing" in m for m in msgs)
 
@@ -212,9 +212,46 @@ def test_fallback_to_foreach(emu, pkg):
         pass
     (pkg / METALLIB_NAME).unlink()
     backend, msgs = _select(mps_tiers(load_ext=lambda: FakeMetalExt(emu), mps_api=OldTorchMps(),
-                                      package_dir=pkg))
+                                      package_dir=pkg, probe_device="cpu"))
     assert backend.name == "foreach"
     assert len(msgs) == 3 and "no torch.mps.compile_shader" in msgs[2]
+
+
+def test_tier_that_loads_but_cannot_run_is_refused_by_its_probe(emu, pkg):
+    """A torch whose ShaderLibrary binds arguments otherwise (the kernel call raises), or a kernel
+    that runs but computes something else, is refused at selection by the first-use probe, and the
+    next tier runs: the first training step does not fail."""
+    class OtherBinding(FakeMpsApi):  # the call raises, as a binding that wants other arguments would
+        def load_metallib(self, source):
+            lib = super().load_metallib(source)
+
+            class Lib:
+                def __dir__(self):
+                    return dir(lib)
+
+                def __getattr__(self, name):
+                    def call(*args, **kwargs):
+                        raise TypeError("Unsupported argument type list")
+                    return call
+            return Lib()
+
+    class Idle(FakeMetalExt):  # a kernel that runs and writes nothing
+        def step(self, kernel_name, tensors, scalars):
+            self.calls.append((kernel_name, tensors, scalars))
+
+    backend, msgs = _select(mps_tiers(load_ext=lambda: Idle(emu), mps_api=OtherBinding(emu), package_dir=pkg,
+                                      probe_device="cpu"))
+    assert backend.name == "compile_shader"
+    assert len(msgs) == 2
+    assert "_metal extension" in msgs[0] and "first-use probe" in msgs[0] and "param" in msgs[0]
+    assert "away from the reference" in msgs[0]
+    assert "load_metallib" in msgs[1] and "first-use probe" in msgs[1] and "Unsupported argument type" in msgs[1]
+    # The tier chosen passed the same probe, and runs.
+    p, g, m, v = torch.randn(9), torch.randn(9), torch.zeros(9), torch.zeros(9)
+    want = [t.clone() for t in (p, g, m, v)]
+    backend.update("adam", [p], [g], [[m], [v]], AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.0, 1))
+    reference_adam_(*want, AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.0, 1))
+    assert torch.equal(p, want[0])
 
 
 def test_library_without_bfloat_kernels_is_refused(emu, pkg):
@@ -224,7 +261,7 @@ def test_library_without_bfloat_kernels_is_refused(emu, pkg):
                                            "#if 0\nFUSED_KERNELS_BFLOAT("))
     (pkg / METALLIB_NAME).unlink()
     backend, msgs = _select(mps_tiers(load_ext=lambda: FakeMetalExt(emu), mps_api=FakeMpsApi(emu),
-                                      package_dir=pkg))
+                                      package_dir=pkg, probe_device="cpu"))
     assert backend.name == "foreach"
     missing = sorted([f"fused_{rule}_bfloat_{s}" for rule in ("adam", "adam_sr", "lion", "adagrad")
                       for s in ("bfloat", "float")] + ["fused_adam8bit_bfloat_uchar"])
@@ -283,7 +320,7 @@ def test_backend_info_reports_fast_math_for_the_mps_tier(monkeypatch, emu, pkg):
     api = FakeMpsApi(emu)
     monkeypatch.setattr(api, "load_metallib", None, raising=False)
     monkeypatch.setattr(backends, "_tiers", lambda device_type: (
-        mps_tiers(load_ext=no_ext, mps_api=api, package_dir=pkg) if device_type == "mps"
+        mps_tiers(load_ext=no_ext, mps_api=api, package_dir=pkg, probe_device="cpu") if device_type == "mps"
         else [("_cpu extension", backends.CPUBackend)]))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -219,11 +219,46 @@ class ShaderLibraryBackend:
                 fn(*tensors, words, base, n, threads=threads, group_size=min(group, threads))
 
 
+PROBE_ELEMENTS = 13  # three threads of 4 elements and a tail of 1
+
+
+def probe(backend: Any, device: str | torch.device) -> None:
+    """One Adam step of :data:`PROBE_ELEMENTS` fp32 elements through ``backend`` on ``device``,
+    against the reference; raises ``RuntimeError`` saying what failed.
+
+    Each tier runs it before it is chosen, so that a tier which loads but cannot run (a torch
+    release whose ShaderLibrary binds a kernel's arguments otherwise than 2.13's, the one read
+    from its sources; a metallib the GPU rejects) is refused like one that does not load, and the
+    next tier runs, instead of the first training step failing. Untested on Apple hardware."""
+    from .reference import reference_adam_
+    gen = torch.Generator().manual_seed(0)
+    n = PROBE_ELEMENTS
+    base = [torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 0.1, torch.zeros(n), torch.zeros(n)]
+    hp = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.1, 1)
+    want = [t.clone() for t in base]
+    reference_adam_(*want, hp)
+    what = f"its first-use probe (one Adam step of {n} fp32 elements on {device})"
+    try:
+        ours = [t.to(device) for t in base]
+        backend.update("adam", [ours[0]], [ours[1]], [[ours[2]], [ours[3]]], hp)
+        got = [t.cpu() for t in ours]  # waits for the GPU
+    except Exception as exc:
+        raise RuntimeError(f"{what} failed: {exc!r}") from exc
+    for name, k in (("param", 0), ("exp_avg", 2), ("exp_avg_sq", 3)):
+        bound = 8 * torch.finfo(torch.float32).eps * float(want[k].abs().max())
+        diff = float((got[k] - want[k]).abs().max())
+        if not diff <= bound:  # NaN fails too
+            raise RuntimeError(f"{what} gave a {name} {diff:.3g} away from the reference (the contract's bound: "
+                               f"{bound:.3g})")
+
+
 def mps_tiers(*, load_ext: Callable[[], Any] | None = None, mps_api: Any = None,
               package_dir: Path | None = None, buffer_of: Callable = mps_buffer,
               torch_version: Callable[[], tuple[int, int]] = torch_version,
-              ) -> list[tuple[str, Callable[[], Any]]]:
-    """Tiers 1-3 as ``(label, factory)`` in preference order; each factory raises why it can't load."""
+              probe_device: str = "mps") -> list[tuple[str, Callable[[], Any]]]:
+    """Tiers 1-3 as ``(label, factory)`` in preference order; each factory raises why it can't
+    load, or why it cannot run (:func:`probe` on ``probe_device``: the stand-ins of the tests run
+    on CPU tensors)."""
     pkg = package_dir if package_dir is not None else _package_dir()
 
     def api() -> Any:
@@ -257,5 +292,12 @@ def mps_tiers(*, load_ext: Callable[[], Any] | None = None, mps_api: Any = None,
         source = find_metal_source(pkg).read_text(encoding="utf-8")
         return ShaderLibraryBackend("compile_shader", compile_shader(source))
 
-    return [("_metal extension", tier1), ("torch.mps.load_metallib", tier2),
-            ("torch.mps.compile_shader", tier3)]
+    def probed(make: Callable[[], Any]) -> Callable[[], Any]:
+        def factory() -> Any:
+            backend = make()
+            probe(backend, probe_device)
+            return backend
+        return factory
+
+    return [("_metal extension", probed(tier1)), ("torch.mps.load_metallib", probed(tier2)),
+            ("torch.mps.compile_shader", probed(tier3))]
