@@ -128,12 +128,12 @@ def test_matches_reference_and_rejects_nothing_half_done():
     assert torch.equal(p.detach(), ref_p)
     assert torch.equal(opt.state[p]["exp_avg_sq_codes"], codes[2])
     # A bad tensor anywhere rejects the whole step before anything is written.
-    other = torch.nn.Parameter(torch.randn(10).double())
+    other = torch.nn.Parameter(torch.randn(10))
     opt.add_param_group({"params": [other]})
     before = p.detach().clone()
     p.grad = torch.randn(n)
-    other.grad = torch.randn(10).double()
-    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[0\].*float64 is not supported"):
+    other.grad = torch.randn(10).to_sparse()
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[0\].*sparse"):
         opt.step()
     assert torch.equal(p.detach(), before) and opt.state[p]["step"] == 3 and other not in opt.state
 
@@ -322,3 +322,85 @@ def test_sr_group_takes_full_path_each_step_and_other_groups_keep_their_plan():
     assert 0 not in opt._plans
     if step_plan.native() is not None:
         assert isinstance(opt._plans.get(1), step_plan.Plan) and opt._plans[1].uses == 4
+
+
+def test_stochastic_rounding_seeds_a_state_made_without_it():
+    """A state made without the option (a loaded or converted checkpoint, the option switched on
+    later) gets its seed at the next step, as Adam's stochastic rounding does: bf16 params of 1.0
+    with updates of 1e-4 (far below half a bf16 ulp) move only through stochastic rounding."""
+    p = torch.nn.Parameter(torch.ones(8192, dtype=torch.bfloat16))
+    opt = mfa.AdamW8bit([p], lr=1e-4, weight_decay=0.0)
+    p.grad = torch.ones(8192, dtype=torch.bfloat16)
+    opt.step()
+    assert "sr_seed" not in opt.state[p] and torch.equal(p.detach(), torch.ones(8192, dtype=torch.bfloat16))
+    opt.param_groups[0]["bf16_stochastic_round"] = True
+    for _ in range(20):
+        p.grad = torch.ones(8192, dtype=torch.bfloat16)
+        opt.step()
+    assert "sr_seed" in opt.state[p]
+    moved = int((p.detach() != 1).sum())
+    assert 1000 < moved < 8192, moved  # about 20 * 1e-4 / 2**-8 of them: unbiased, not rounded to nearest
+
+
+def test_clip_bound_past_doubles_range_steps_on():
+    """betas (0.9, 0.8): beta1**2 / beta2 > 1, and the bound's geometric sum leaves double's range
+    near step 57,140; the step must go on (no bound), every param updated and counted once."""
+    a, b = (torch.nn.Parameter(torch.randn(8192)) for _ in range(2))
+    opt = mfa.AdamW8bit([a, b], lr=1e-3, betas=(0.9, 0.8))
+    for p in (a, b):
+        p.grad = torch.randn(8192)
+    opt.step()
+    sd = opt.state_dict()
+    sd["state"][1]["step"] = 57_200
+    opt.load_state_dict(sd)
+    before = [a.detach().clone(), b.detach().clone()]
+    opt.step()
+    assert [opt.state[a]["step"], opt.state[b]["step"]] == [2, 57_201]
+    assert not torch.equal(a.detach(), before[0]) and not torch.equal(b.detach(), before[1])
+    assert torch.isfinite(b.detach()).all()
+
+
+@pytest.mark.parametrize("bad", [None, 0, -5, 2.5, True])
+def test_group_options_checked_when_the_group_is_added(bad):
+    a, b = torch.nn.Parameter(torch.randn(16)), torch.nn.Parameter(torch.randn(16))
+    opt = mfa.AdamW8bit([a], lr=1e-3)
+    with pytest.raises(ValueError, match=r"param_groups\[1\]: min_8bit_size must be a positive element count"):
+        opt.add_param_group({"params": [b], "min_8bit_size": bad})
+    assert len(opt.param_groups) == 1
+    opt.param_groups[0]["min_8bit_size"] = bad  # changed later: caught before anything is written
+    a.grad = torch.randn(16)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: min_8bit_size"):
+        opt.step()
+    assert opt.state.get(a) is None or not opt.state[a]
+
+
+def test_float64_params_rejected_when_added():
+    with pytest.raises(ValueError, match="float64 is not supported"):
+        mfa.AdamW8bit([torch.nn.Parameter(torch.randn(4, dtype=torch.float64))])
+    opt = mfa.AdamW8bit([torch.nn.Parameter(torch.randn(4))])
+    with pytest.raises(ValueError, match="float64 is not supported"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(4, dtype=torch.float64))]})
+    assert len(opt.param_groups) == 1
+
+
+def test_load_state_dict_checks_before_loading():
+    """Moments that do not fit, or another optimizer's state dict, are rejected before anything
+    is loaded (the groups keep their hyperparameters)."""
+    big, small = torch.nn.Parameter(torch.randn(8192)), torch.nn.Parameter(torch.randn(100))
+    opt = mfa.AdamW8bit([big, small], lr=1e-3)
+    for p in (big, small):
+        p.grad = torch.randn(p.shape)
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    sd["param_groups"][0]["lr"] = 0.5
+    sd["state"][0]["exp_avg_codes"] = sd["state"][0]["exp_avg_codes"][:100]
+    with pytest.raises(ValueError, match=r"\['params'\]\[0\].*'exp_avg_codes'.*expected shape \(8192,\)"):
+        opt.load_state_dict(sd)
+    assert opt.param_groups[0]["lr"] == 1e-3
+    sgd = torch.optim.SGD([big, small], lr=0.1, momentum=0.9)
+    sgd.step()
+    with pytest.raises(ValueError, match="not an Adam-family state dict"):
+        opt.load_state_dict(sgd.state_dict())
+    assert opt.param_groups[0]["lr"] == 1e-3 and "momentum" not in opt.param_groups[0]
+    good = copy.deepcopy(opt.state_dict())  # a fitting one still loads
+    opt.load_state_dict(good)

@@ -148,8 +148,12 @@ def normalized_step_bound(beta1: float, beta2: float, step: int, bias_correction
     elif math.isinf(r):  # beta2 == 0 and beta1 > 0: v is the last g^2 alone, m is unbounded by it
         return math.inf
     else:
-        # (1 - r^t) / (1 - r), written to stay finite for r > 1 and accurate for r near 1.
-        s = math.expm1(step * math.log(r)) / (r - 1.0) if r > 0 else 1.0
+        # (1 - r^t) / (1 - r), written to stay finite for r > 1 and accurate for r near 1; past
+        # double's range (r > 1 at a large step: betas (0.9, 0.8) from step 57,140) no bound.
+        try:
+            s = math.expm1(step * math.log(r)) / (r - 1.0) if r > 0 else 1.0
+        except OverflowError:
+            return math.inf
     bc2 = 1.0 - beta2 ** step if bias_correction else 1.0
     return (1.0 - beta1) * math.sqrt(bc2 * s / (1.0 - beta2))
 

@@ -6,6 +6,7 @@ written, so a rejected step changes nothing.
 """
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -13,7 +14,7 @@ import torch
 from . import lowbit, validate
 from .contract import AdamHyper
 from .lowbit import MIN_8BIT_SIZE, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE, num_blocks
-from .backends import CPUBackend, get_backend, update_staged
+from .backends import SUPPORTED_DTYPES, CPUBackend, get_backend, update_staged
 from .optim import _optimizer_method, load_state_dict_with_hooks
 from .step_entry import fast_step_entry
 from .reference_lowbit import reference_adam8bit_, reference_adam_sr_
@@ -26,9 +27,12 @@ FP32_KEYS = ("exp_avg", "exp_avg_sq")
 SEED_KEY = "sr_seed"
 
 
-def _check_state(p: torch.Tensor, st: dict, name: str) -> None:
-    """Existing (perhaps loaded) state must fit its parameter: 8-bit codes and block scales, or
-    fp32 moments; raise a ValueError naming the parameter and the entry otherwise."""
+def _check_state(p: torch.Tensor, st: dict, name: str, saved: bool = False) -> None:
+    """Existing state must fit its parameter: 8-bit codes and block scales, or fp32 moments, and
+    ``step`` a non-negative int; raise a ValueError naming the parameter and the entry otherwise.
+    ``saved``: a state dict's entry before it is loaded (``load_state_dict`` then converts scales
+    and moments to fp32 on the param's device, ``step`` to int), so only shapes and the codes'
+    dtype must fit."""
     if "exp_avg_codes" in st:
         nb = num_blocks(p.numel())
         want = {"exp_avg_codes": (tuple(p.shape), torch.uint8), "exp_avg_sq_codes": (tuple(p.shape), torch.uint8),
@@ -40,9 +44,27 @@ def _check_state(p: torch.Tensor, st: dict, name: str) -> None:
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{validate.describe(p, name)}: optimizer state '{key}' is missing or not a tensor "
                              f"(found {type(t).__name__})")
-        if tuple(t.shape) != shape or t.dtype != dtype or t.device != p.device:
+        fits = (t.is_floating_point() if dtype == torch.float32 else t.dtype == dtype) if saved else \
+            (t.dtype == dtype and t.device == p.device)
+        if tuple(t.shape) != shape or not fits:
             raise ValueError(f"{validate.describe(p, name)}: optimizer state '{key}' is {validate.describe(t, key)}; "
-                             f"expected shape {shape}, {str(dtype).replace('torch.', '')}, {p.device}")
+                             f"expected shape {shape}, {str(dtype).replace('torch.', '')}"
+                             + ("" if saved else f", {p.device}"))
+    step = st.get("step", 0)
+    if not saved and (type(step) is not int or step < 0):
+        raise ValueError(f"{validate.describe(p, name)}: optimizer state 'step' is {step!r} ({type(step).__name__}); "
+                         f"expected the number of steps taken, a non-negative int")
+
+
+# What a state dict this optimizer loads must have: Adam's group hyperparameters (its states are
+# checked per parameter by _check_state, 8-bit or fp32).
+_STATE_DICT = validate.StateDictKind("Adam-family", ("betas", "eps"), ("lr_decay",), ())
+
+
+def _check_group_options(group: dict[str, Any], where: str) -> None:
+    size = group.get("min_8bit_size")
+    if not isinstance(size, numbers.Integral) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"{where}: min_8bit_size must be a positive element count (an int), got {size!r}")
 
 
 class _Adam8bitBase(torch.optim.Optimizer):
@@ -51,12 +73,25 @@ class _Adam8bitBase(torch.optim.Optimizer):
 
     def __init__(self, params: _Params, defaults: dict[str, Any]) -> None:
         validate.check_hyperparameters(defaults["lr"], defaults["betas"], defaults["eps"], defaults["weight_decay"])
-        if int(defaults["min_8bit_size"]) < 1:
-            raise ValueError(f"min_8bit_size must be a positive element count, got {defaults['min_8bit_size']!r}")
+        _check_group_options(defaults, type(self).__name__)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group`` (also used by the constructor), then the checks a step would
+        make of the new group's options and parameter dtypes: a rejected group is removed again,
+        so the optimizer is unchanged."""
         _optimizer_method("add_param_group")(self, param_group)
+        gi = len(self.param_groups) - 1
+        group = self.param_groups[gi]
+        try:
+            _check_group_options(group, f"param_groups[{gi}]")
+            names = group.get("param_names")
+            for pi, p in enumerate(group["params"]):
+                if p.dtype not in SUPPORTED_DTYPES:
+                    validate.check_param_dtype(p, names[pi] if names else f"param_groups[{gi}]['params'][{pi}]")
+        except Exception:
+            self.param_groups.pop()
+            raise
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         _optimizer_method("zero_grad")(self, set_to_none)
@@ -77,7 +112,22 @@ class _Adam8bitBase(torch.optim.Optimizer):
         moments are re-taken from the saved tensors as fp32, ``step`` and ``sr_seed`` as ints.
         torch's load pre- and post-hooks run as torch runs them.
         """
-        load_state_dict_with_hooks(self, state_dict, lambda sd: None, self._retake_states)
+        load_state_dict_with_hooks(self, state_dict, self._check_state_dict, self._retake_states)
+
+    def _check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Before anything is loaded: an Adam-family state dict whose states fit the parameters."""
+        validate.check_state_dict(state_dict, self.param_groups, _STATE_DICT)
+        saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+        if len(saved_groups) != len(self.param_groups):
+            return  # torch's own check names this
+        for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                return
+            names = group.get("param_names")
+            for pi, (key, p) in enumerate(zip(saved["params"], group["params"])):
+                st = saved_state.get(key)
+                if st:
+                    _check_state(p, st, names[pi] if names else f"param_groups[{gi}]['params'][{pi}]", saved=True)
 
     def _retake_states(self, state_dict: dict[str, Any]) -> None:
         saved_state = state_dict["state"]
@@ -125,6 +175,7 @@ class _Adam8bitBase(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             validate.check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"],
                                            where=f"param_groups[{gi}]")
+            _check_group_options(group, f"param_groups[{gi}]")
             names = group.get("param_names")
             for pi, p in enumerate(group["params"]):
                 if p.grad is None or p.numel() == 0:
@@ -147,6 +198,10 @@ class _Adam8bitBase(torch.optim.Optimizer):
             st = self.state[p]
             if not st:
                 st.update(self._init_state(p, group))
+            elif group["bf16_stochastic_round"] and p.dtype == torch.bfloat16 and SEED_KEY not in st:
+                # A state made without the option (a loaded or converted checkpoint, the option
+                # switched on later, a param cast to bf16 since): its seed now, as Adam's SR does.
+                st[SEED_KEY] = lowbit.new_sr_seed()
             st["step"] = step = int(st["step"]) + 1
             hp = hypers.get((id(group), step))
             if hp is None:
