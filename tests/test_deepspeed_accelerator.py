@@ -130,6 +130,8 @@ def test_stub_is_completed(accel_module, fake_mps, monkeypatch, macos, bf16):
     assert acc.supported_dtypes() == ([torch.float, torch.half, torch.bfloat16] if bf16 else [torch.float, torch.half])
     t = torch.ones(3)
     assert acc.pin_memory(t) is t and acc.is_pinned(t)
+    # DeepSpeed 0.19's callers pass pin_memory(t, make_copy=False); older ones align_bytes.
+    assert acc.pin_memory(t, make_copy=False) is t and acc.pin_memory(t, align_bytes=64) is t
     assert acc.IntTensor.device == "mps"
     assert accel_module._staging_calls == [True], "the stub path must stage MPS tensors for gloo"
     # ZeRO enters `with get_accelerator().stream(...)` unguarded (issue 13, item 2).
@@ -270,3 +272,35 @@ def test_install_selects_mps_accelerator_when_mps_is_present(tmp_path):
     env["DS_ACCELERATOR"] = "cpu"
     out = dsenv.run_python(["-c", code], env, timeout=300).stdout
     assert "ACCEL cpu CPU_Accelerator" in out and "OK" in out
+
+
+def test_tensor_types_construct_as_torchs(accel_module):
+    """get_accelerator().IntTensor(...) answers as torch.IntTensor(...) does, on the device."""
+    on_cpu = accel_module._DeviceTensorType(torch.int32, "cpu")
+    for args in ((), ([0],), ([1, 2],), (torch.Size([2, 3]),), (2, 3), (4,)):
+        ours, torchs = on_cpu(*args), torch.IntTensor(*args)
+        assert ours.shape == torchs.shape and ours.dtype == torch.int32, args
+        if torchs.numel() and args and not isinstance(args[0], (int, torch.Size)):
+            assert torch.equal(ours, torchs), args
+
+
+@pytest.mark.parametrize("complete", [True, False])
+def test_activation_checkpointing_restores_the_rng(accel_module, fake_mps, monkeypatch, complete):
+    """DeepSpeed's activation checkpointing restores the device RNG through lazy_call and
+    default_generator (_set_cuda_rng_state); DeepSpeed's MPS accelerator returns None from both,
+    so the recompute drew other numbers. With torch.mps's RNG mapped onto the CPU's here."""
+    import deepspeed.accelerator.mps_accelerator as ds_mps
+    from deepspeed.runtime.activation_checkpointing.checkpointing import _set_cuda_rng_state
+    if not complete:
+        monkeypatch.setattr(ds_mps, "MPS_Accelerator", _stub_base())
+    monkeypatch.setattr(torch.mps, "get_rng_state", torch.get_rng_state, raising=False)
+    monkeypatch.setattr(torch.mps, "set_rng_state", torch.set_rng_state, raising=False)
+    monkeypatch.setattr(torch.mps, "manual_seed", torch.manual_seed, raising=False)
+    acc = accel_module.mps_accelerator(complete=complete)
+    monkeypatch.setattr("deepspeed.runtime.activation_checkpointing.checkpointing.get_accelerator", lambda: acc)
+    saved = acc.get_rng_state().clone()
+    first = torch.rand(5)
+    _set_cuda_rng_state(saved)
+    assert torch.equal(torch.rand(5), first)
+    assert acc.lazy_call(lambda: 7) == 7
+    assert torch.equal(acc.default_generator(0).get_state(), acc.get_rng_state())

@@ -124,6 +124,54 @@ def test_block_jit_false_leaves_other_ops_to_deepspeed(tmp_path):
     assert "OK" in out
 
 
+def test_block_jit_false_after_install_unblocks_bound_names(tmp_path):
+    """install() blocks the builders bound by name in DeepSpeed's modules; a later
+    install(block_jit=False) must give those names back to DeepSpeed, and install() block again."""
+    out = _run(tmp_path, COMMON + """
+    import deepspeed.ops.op_builder as ob
+    mfd.install()
+    assert ob.AsyncIOBuilder._mps_fused_adam_kind == "blocked"
+    mfd.install(block_jit=False)
+    assert getattr(ob.AsyncIOBuilder, "_mps_fused_adam_kind", None) is None, ob.AsyncIOBuilder
+    assert ob.AsyncIOBuilder.__module__.startswith("deepspeed.ops.op_builder")
+    assert ob.FusedAdamBuilder().load() is FUSED_ADAM_OP
+    mfd.install()
+    assert ob.AsyncIOBuilder._mps_fused_adam_kind == "blocked"
+    print("OK")
+    """)
+    assert "OK" in out
+
+
+def test_block_jit_reaches_builders_imported_from_their_own_module(tmp_path):
+    """deepspeed.ops.pin_memory imports its builder from the defining submodule, after install()
+    in a usual program, so no name rebinding reaches it: DeepSpeed's OpBuilder.jit_load refuses
+    instead (no compiler is reachable here, so a JIT build would fail with a compiler error)."""
+    out = _run(tmp_path, COMMON + """
+    mfd.install()
+    from deepspeed.ops.pin_memory import PinMemoryBuilder
+    try:
+        PinMemoryBuilder().load()
+    except RuntimeError as exc:
+        assert "would be JIT-compiled, which mps_fused_adam.deepspeed.install(block_jit=True) prevents" in str(exc), exc
+    else:
+        raise AssertionError("loaded")
+    print("OK")
+    """)
+    assert "OK" in out
+    assert dsenv.extensions_built(tmp_path) == []
+
+
+def test_use_mps_without_mps_is_a_clear_error(monkeypatch):
+    import torch
+    import mps_fused_adam.deepspeed as mfd
+    dsenv.require_deepspeed()
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    before = dict(os.environ)
+    with pytest.raises(RuntimeError, match=r"install\(use_mps=True\): this torch has no usable MPS device"):
+        mfd.install(use_mps=True)
+    assert dict(os.environ) == before  # nothing set (the single-process variables come later)
+
+
 def test_missing_deepspeed_is_a_clear_import_error(monkeypatch):
     import mps_fused_adam.deepspeed as mfd
     before = os.environ.get("MASTER_PORT")

@@ -159,13 +159,20 @@ def install(block_jit: bool = True, use_mps: bool | None = None,
         bound names that were rebound, and the environment variables set.
 
     Raises:
-        ImportError: DeepSpeed is not installed. RuntimeError: it is older than ``MIN_DEEPSPEED``.
+        ImportError: DeepSpeed is not installed. RuntimeError: it is older than ``MIN_DEEPSPEED``, or
+        ``use_mps=True`` where torch has no MPS device (raised before anything is changed).
     """
     deepspeed = _import_deepspeed()
+    if use_mps and not _mps_available():  # before anything is changed
+        raise RuntimeError("mps_fused_adam.deepspeed.install(use_mps=True): this torch has no usable MPS "
+                           "device (torch.backends.mps.is_available() is False); DeepSpeed itself refuses "
+                           "DS_ACCELERATOR=mps here. Leave use_mps unset to use the accelerator DeepSpeed "
+                           "detects.")
     env_set = _single_process_defaults() if single_process_defaults else {}
     from deepspeed.accelerator import get_accelerator
 
-    from .builders import OUR_OPS, OUT_OF_SCOPE, Redirect, patch_accelerator, rebind_names, refresh_compatibility
+    from .builders import (OUR_OPS, OUT_OF_SCOPE, Redirect, guard_jit_builds, patch_accelerator, rebind_names,
+                           refresh_compatibility)
 
     with _lock:
         redirect = _state.get("redirect")
@@ -182,6 +189,7 @@ def install(block_jit: bool = True, use_mps: bool | None = None,
             real.set_accelerator(mps_accelerator())  # the wrapped one: patches it too
         accel = get_accelerator()
         patch_accelerator(accel, redirect)
+        guard_jit_builds(redirect)
         rebound = rebind_names(accel)
         refresh_compatibility(accel)
         rebound += _apply_runtime_fixes(accel) + _state.pop("fixed", [])  # after set_accelerator

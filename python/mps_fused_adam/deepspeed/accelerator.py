@@ -76,7 +76,11 @@ class _DeviceTensorType:
         self.device = staging.DEVICE_TYPE if device is None else device
 
     def __call__(self, *args):
-        if len(args) == 1 and not isinstance(args[0], int):
+        # As torch.IntTensor(...): no argument, an empty tensor; sizes (ints, or one torch.Size),
+        # an uninitialised tensor of that shape; one sequence (or tensor), a copy of its data.
+        if not args:
+            return torch.empty(0, dtype=self.dtype, device=self.device)
+        if len(args) == 1 and not isinstance(args[0], (int, torch.Size)):
             return torch.tensor(args[0], dtype=self.dtype, device=self.device)
         return torch.empty(*args, dtype=self.dtype, device=self.device)
 
@@ -130,6 +134,34 @@ class _OneDevice:
 
     def on_accelerator(self, tensor):
         return tensor.device.type == staging.DEVICE_TYPE
+
+    # DeepSpeed restores the device RNG through these for activation checkpointing's recompute
+    # (runtime/activation_checkpointing: _set_cuda_rng_state); DeepSpeed's MPS accelerator
+    # returns None from both, so the recompute drew other random numbers than the forward pass.
+    def lazy_call(self, callback):
+        return callback()
+
+    def default_generator(self, device_index=None):
+        return _AcceleratorGenerator(self)
+
+
+class _AcceleratorGenerator:
+    """The device's default generator as DeepSpeed uses it (``get_state``/``set_state``), through
+    the accelerator's own RNG state functions (``torch.mps.get_rng_state`` on a Mac)."""
+
+    def __init__(self, accel) -> None:
+        self._accel = accel
+
+    def get_state(self):
+        return self._accel.get_rng_state()
+
+    def set_state(self, state):
+        self._accel.set_rng_state(state)
+        return self
+
+    def manual_seed(self, seed):
+        self._accel.manual_seed(seed)
+        return self
 
 
 class _CompleteMPS:
@@ -212,8 +244,9 @@ class _CompleteMPS:
         return
 
     # Unified memory: host tensors are already visible to the GPU; torch's pin_memory() raises
-    # for the MPS backend, so pinning is a no-op.
-    def pin_memory(self, tensor, align_bytes=1):
+    # for the MPS backend, so pinning is a no-op. The signature takes both DeepSpeed's older
+    # (tensor, align_bytes) and 0.19's (tensor, make_copy=True, match_shape=True) keywords.
+    def pin_memory(self, tensor, align_bytes=1, *, make_copy=True, match_shape=True):
         return tensor
 
     def is_pinned(self, tensor):

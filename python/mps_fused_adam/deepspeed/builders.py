@@ -1,13 +1,15 @@
 """Op builders that hand DeepSpeed our kernels, and the redirection of DeepSpeed's builder lookups.
 
-DeepSpeed finds an op in two ways, and both are redirected:
+DeepSpeed finds an op in two ways, and both are redirected (with ``block_jit=True``, DeepSpeed's
+``OpBuilder.jit_load`` also refuses, for a builder class reached any other way: ``guard_jit_builds``):
 
 1. ``get_accelerator().get_op_builder(name)`` / ``create_op_builder(name)``: wrapped on the
    accelerator instance (and on any accelerator set later with ``set_accelerator``).
 2. Names bound at import time: ``deepspeed.ops.op_builder`` binds ``FusedAdamBuilder`` etc. to the
    active accelerator's classes when first imported, and modules such as
    ``deepspeed.ops.adam.fused_adam`` import those names. Every such binding in a loaded
-   ``deepspeed`` module is rebound; modules imported later bind the redirected classes through (1).
+   ``deepspeed`` module is rebound (again at each ``install()``, so a later policy applies); modules
+   imported later that bind through ``deepspeed.ops.op_builder`` get the redirected classes.
 
 The builder classes are subclasses of the accelerator's own builder for that op, so everything
 DeepSpeed reads from a builder (``NAME``, ``BUILD_VAR``, ``absolute_name()``...) is unchanged;
@@ -101,6 +103,14 @@ def _our_builder(orig: Optional[type], class_name: str, op) -> type:
         return cls
 
 
+def _blocked_message(class_name: str, op_name: str) -> str:
+    why = OUT_OF_SCOPE.get(class_name)
+    return ((why + ". " if why else "") +
+            f"DeepSpeed op '{op_name}' ({class_name}) would be JIT-compiled, which "
+            f"mps_fused_adam.deepspeed.install(block_jit=True) prevents: this package ships kernels for "
+            f"{', '.join(sorted(OUR_OPS))} only. Call install(block_jit=False) to let DeepSpeed build it.")
+
+
 def _blocked_builder(orig: type, class_name: str) -> type:
     key = (orig, class_name, "blocked")
     with _lock:
@@ -113,12 +123,7 @@ def _blocked_builder(orig: type, class_name: str) -> type:
             return False
 
         def load(self, verbose=True):
-            why = OUT_OF_SCOPE.get(class_name)
-            raise RuntimeError(
-                (why + ". " if why else "") +
-                f"DeepSpeed op '{op_name}' ({class_name}) would be JIT-compiled, which "
-                f"mps_fused_adam.deepspeed.install(block_jit=True) prevents: this package ships kernels for "
-                f"{', '.join(sorted(OUR_OPS))} only. Call install(block_jit=False) to let DeepSpeed build it.")
+            raise RuntimeError(_blocked_message(class_name, op_name))
 
         attrs = dict(is_compatible=is_compatible, load=load, jit_load=load, builder=load,
                      _mps_fused_adam_kind="blocked", __module__=__name__,
@@ -177,9 +182,12 @@ def rebind_names(accel) -> list:
         if not namespace:
             continue
         for attr, value in list(namespace.items()):
-            if not (attr.endswith("Builder") and isinstance(value, type)) or _is_generated(value):
+            if not (attr.endswith("Builder") and isinstance(value, type)):
                 continue
-            if not getattr(value, "__module__", "").startswith(("deepspeed.ops.op_builder", "op_builder")):
+            # DeepSpeed's own classes, and ours from an earlier install() (rebound again, so a
+            # later install(block_jit=False) unblocks names an earlier one blocked).
+            if not (_is_generated(value)
+                    or getattr(value, "__module__", "").startswith(("deepspeed.ops.op_builder", "op_builder"))):
                 continue
             if attr in ("OpBuilder", "CUDAOpBuilder", "CPUOpBuilder", "MPSOpBuilder", "MetalOpBuilder",
                         "TorchCPUOpBuilder", "SYCLOpBuilder", "NPUOpBuilder"):
@@ -189,6 +197,31 @@ def rebind_names(accel) -> list:
                 namespace[attr] = new
                 rebound.append(f"{mod_name}.{attr}")
     return rebound
+
+
+_jit_guard: Dict[str, object] = {}
+
+
+def guard_jit_builds(redirect: Redirect) -> None:
+    """Make DeepSpeed's ``OpBuilder.jit_load``, the one place every JIT build goes through, follow
+    ``redirect``'s ``block_jit``: the name rebinding misses a builder class imported from its
+    defining submodule after ``install()`` (``deepspeed.ops.pin_memory`` does so), and this does
+    not. Ours never reach it (their ``load`` returns our op), nor do prebuilt ops (``load`` imports
+    them). Idempotent; the policy follows the latest ``install()``."""
+    from deepspeed.ops.op_builder.builder import OpBuilder
+    with _lock:
+        _jit_guard["redirect"] = redirect
+        if "original" in _jit_guard:
+            return
+        original = _jit_guard["original"] = OpBuilder.__dict__["jit_load"]
+
+        def jit_load(self, verbose=True):
+            if _jit_guard["redirect"].block_jit:
+                raise RuntimeError(_blocked_message(type(self).__name__, getattr(self, "name", type(self).__name__)))
+            return original(self, verbose)
+
+        jit_load.__doc__ = original.__doc__
+        OpBuilder.jit_load = jit_load
 
 
 def refresh_compatibility(accel) -> None:
