@@ -138,7 +138,8 @@ def test_rejected_call_changes_nothing():
 
 def _deepspeeds_own(name: str):
     """DeepSpeed's own JIT-built op, for the cross-check: .ci/run builds it once with the machine's
-    compiler (the package never does) and names its .so in MFA_DS_CPU_LION_SO / MFA_DS_CPU_ADAGRAD_SO."""
+    compiler (the package never does) and names its .so in MFA_DS_CPU_ADAM_SO / MFA_DS_CPU_LION_SO /
+    MFA_DS_CPU_ADAGRAD_SO."""
     import importlib.util
     import os
     var = f"MFA_DS_{name.upper()}_SO"
@@ -226,22 +227,8 @@ def test_cpu_rule_ops_apply_weight_decay_only_when_positive():
 @pytest.mark.parametrize("name", ["cpu_lion", "cpu_adagrad", "cpu_adam"])
 def test_negative_weight_decay_as_deepspeeds_own(name):
     """The same calls with weight_decay = -0.5 on DeepSpeed's own JIT-built ops and ours."""
-    if name == "cpu_adam":
-        ds_var = "MFA_DS_CPU_ADAM_SO"
-        import os
-        if not os.environ.get(ds_var):
-            msg = f"cross-check against a JIT-built DeepSpeed cpu_adam: set {ds_var} to its .so"
-            if os.environ.get("MFA_REQUIRE_DEEPSPEED"):
-                pytest.fail(msg + " (MFA_REQUIRE_DEEPSPEED is set)")
-            pytest.skip(msg)
-        import importlib.util
-        spec = importlib.util.spec_from_file_location(name, os.environ[ds_var])
-        ds = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(ds)
-        ours = ops.CPUAdamOp()
-    else:
-        ds = _deepspeeds_own(name)
-        ours = rule_ops.CPULionOp() if name == "cpu_lion" else rule_ops.CPUAdagradOp()
+    ds = _deepspeeds_own(name)
+    ours = {"cpu_adam": ops.CPUAdamOp, "cpu_lion": rule_ops.CPULionOp, "cpu_adagrad": rule_ops.CPUAdagradOp}[name]()
     p, g, s = _tensors(4099, torch.float32, torch.float32, seed=41, positive_state=True)
     a, b = [p.clone(), s.clone(), s.clone()], [p.clone(), s.clone(), s.clone()]
     for mod, t in ((ds, a), (ours, b)):
