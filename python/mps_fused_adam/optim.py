@@ -187,8 +187,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         entry = cache.get(gi)
         state = self.state
         if (entry is None or entry[0] is not params or len(entry[1]) != len(params)
-                or not all(map(operator.is_, entry[1], params)) or entry[2] is None
-                or not entry[2].unchanged(state)):
+                or not all(map(operator.is_, entry[1], params)) or not entry[2].unchanged(state)):
             native = step_plan.native()
             snapshot = native.DictSnapshot(state) if native is not None else None
             slots = [state[p] if state.get(p) else None for p in params]
