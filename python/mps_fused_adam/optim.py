@@ -417,7 +417,8 @@ def _stochastic_round_step(device: torch.device, ps: list, gs: list, ms: list, v
 
 
 def _reject(option: str, value: Any, cls: str) -> None:
-    raise ValueError(f"{cls} does not support {option}={value!r}; mps_fused_adam implements plain Adam "
+    plain = "Adagrad" if cls == "Adagrad" else "Adam"
+    raise ValueError(f"{cls} does not support {option}={value!r}; mps_fused_adam implements plain {plain} "
                      f"(use torch.optim.{cls} for {option})")
 
 
