@@ -173,6 +173,34 @@ def test_bad_arguments_rejected():
         _cpu.step("adam", [], [], [[]], [], 0, 0, blob, 1)
     with pytest.raises(ValueError, match="44-byte scalar struct; got 40 bytes"):
         _cpu.step("adam", [], [], [[], []], [], 0, 0, blob[:40], 1)
+    t = [torch.zeros(64) for _ in range(4)]
+    a = [x.data_ptr() for x in t]
+    # A tensor without memory (address 0, as a ZeroTensor has) is refused, not dereferenced.
+    with pytest.raises(ValueError, match="tensor 0 has address 0"):
+        _cpu.step("adam", [a[0]], [0], [[a[2]], [a[3]]], [64], 0, 0, blob, 1)
+
+    class Evil:  # an __index__ that would change the lists while they are read
+        def __index__(self):
+            params.clear()
+            return 64
+    params = [a[0], a[0]]
+    with pytest.raises(TypeError, match="numels must be plain ints"):
+        _cpu.step("adam", params, [a[1]] * 2, [[a[2]] * 2, [a[3]] * 2], [Evil(), 64], 0, 0, blob, 1)
+    with pytest.raises(TypeError, match="addresses must be plain ints"):
+        _cpu.step("adam", [True], [a[1]], [[a[2]], [a[3]]], [64], 0, 0, blob, 1)
+
+
+def test_group_plan_rejects_malformed_entries():
+    p = torch.nn.Parameter(torch.zeros(4))
+    st = {"step": 1, "exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4)}
+    entry = [0, p, p.dtype, p.shape, p.device, p.data_ptr(), st, (st["exp_avg"], st["exp_avg_sq"]),
+             (st["exp_avg"].data_ptr(), st["exp_avg_sq"].data_ptr()), 1]
+    _cpu.GroupPlan([p], ["exp_avg", "exp_avg_sq"], [tuple(entry)], [])  # well formed
+    with pytest.raises(ValueError, match="an active entry is a tuple"):
+        _cpu.GroupPlan([p], ["exp_avg", "exp_avg_sq"], [list(entry)], [])
+    entry[7] = list(entry[7])
+    with pytest.raises(ValueError, match="state tensors and addresses are tuples"):
+        _cpu.GroupPlan([p], ["exp_avg", "exp_avg_sq"], [tuple(entry)], [])
 
 
 def test_every_rule_has_a_cpu_kernel():

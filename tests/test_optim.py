@@ -391,3 +391,19 @@ def test_fused_adam_ignores_grad_scaler_as_deepspeed():
     assert not torch.equal(p.detach(), torch.ones(3))
     with pytest.raises(RuntimeError, match="FusedAdam has been updated"):
         opt.step(scale=2.0)
+
+
+def test_zero_tensor_grad_rejected_naming_the_parameter():
+    """A ZeroTensor (torch's zeros without memory) has address 0: rejected in validation, on the
+    full path and on a planned step alike, never handed to the kernel."""
+    a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    opt = mfa.AdamW([a, b], lr=1e-2)
+    for _ in range(2):  # the second step is planned
+        a.grad, b.grad = torch.ones(4), torch.ones(4)
+        opt.step()
+    before = [a.detach().clone(), opt.state[a]["exp_avg"].clone()]
+    a.grad, b.grad = torch.ones(4), torch._efficientzerotensor(4)
+    with pytest.raises(ValueError, match=r"\['params'\]\[1\].*ZeroTensor"):
+        opt.step()
+    assert torch.equal(a.detach(), before[0]) and torch.equal(opt.state[a]["exp_avg"], before[1])
+    assert opt.state[a]["step"] == 2

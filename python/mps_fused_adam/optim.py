@@ -323,7 +323,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
             # AttributeError included: a state entry that is not a tensor) re-runs the detailed
             # checks, which raise naming the parameter.
             try:
-                ok = dt in supported and g.dtype is dt and g.layout is strided and g.shape == shape
+                ok = (dt in supported and g.dtype is dt and g.layout is strided and g.shape == shape
+                      and not g._is_zerotensor())
                 if st is None:
                     if p.numel() == 0:
                         continue

@@ -82,10 +82,13 @@ def check_param(p: torch.Tensor, g: torch.Tensor, name: str, device_type: str | 
     # One cheap test first: the per-step cost of 1,000 tensors must stay small.
     if (p.dtype in SUPPORTED_DTYPES and g.dtype is p.dtype and g.layout is torch.strided
             and g.device == p.device and g.shape == p.shape
-            and (device_type is None or p.device.type == device_type)):
+            and (device_type is None or p.device.type == device_type) and not g._is_zerotensor()):
         return
     check_param_dtype(p, name)
     who = describe(p, name)
+    if g._is_zerotensor():
+        raise ValueError(f"{who}: the grad is a ZeroTensor (torch's zeros without memory); "
+                         "materialise it first (grad.clone())")
     if device_type is not None and p.device.type != device_type:
         raise ValueError(f"{who}: expected a {device_type} tensor, found one on {p.device}")
     if g.layout is not torch.strided:

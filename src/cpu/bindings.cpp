@@ -64,6 +64,22 @@ const RuleInfo& rule_info(const std::string& name) {
 
 uintptr_t address(nb::handle h) { return nb::cast<uintptr_t>(h); }
 
+// A list item that must be a plain int (an address, a count, a key): exact ints only, so that no
+// Python code (an __index__) runs while the lists are read, and none can change them under us.
+uint64_t exact_u64(PyObject* o, const char* what) {
+  if (!PyLong_CheckExact(o)) throw nb::type_error((std::string(what) + " must be plain ints").c_str());
+  unsigned long long v = PyLong_AsUnsignedLongLong(o);
+  if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) throw nb::python_error();
+  return v;
+}
+
+int64_t exact_i64(PyObject* o, const char* what) {
+  if (!PyLong_CheckExact(o)) throw nb::type_error((std::string(what) + " must be plain ints").c_str());
+  long long v = PyLong_AsLongLong(o);
+  if (v == -1 && PyErr_Occurred()) throw nb::python_error();
+  return v;
+}
+
 // One step of `rule` over tensors given as host addresses; `states` holds one list of addresses
 // per state of the rule; `scalars` is the rule's scalar struct (contract.Rule.pack).
 void step(const std::string& rule, nb::list params, nb::list grads, nb::list states, nb::list numels,
@@ -94,15 +110,27 @@ void step(const std::string& rule, nb::list params, nb::list grads, nb::list sta
   thread_local std::vector<Span> spans;  // reused across steps: no allocation once warmed up
   spans.resize(n);
   for (size_t i = 0; i < n; ++i) {
-    int64_t count = nb::cast<int64_t>(numels[i]);
+    int64_t count = exact_i64(PyList_GET_ITEM(numels.ptr(), i), "numels");
     if (count < 0) throw std::invalid_argument("negative element count");
     Span& sp = spans[i];
-    sp.param = reinterpret_cast<void*>(address(params[i]));
-    sp.grad = reinterpret_cast<const void*>(address(grads[i]));
-    for (int k = 0; k < kMaxStates; ++k)
-      sp.state[k] = k < info.states ? reinterpret_cast<void*>(address(state_lists[k][i])) : nullptr;
+    sp.param = reinterpret_cast<void*>(exact_u64(PyList_GET_ITEM(params.ptr(), i), "addresses"));
+    sp.grad = reinterpret_cast<const void*>(exact_u64(PyList_GET_ITEM(grads.ptr(), i), "addresses"));
+    bool null = sp.param == nullptr || sp.grad == nullptr;
+    for (int k = 0; k < kMaxStates; ++k) {
+      sp.state[k] = k < info.states
+          ? reinterpret_cast<void*>(exact_u64(PyList_GET_ITEM(state_lists[k].ptr(), i), "addresses")) : nullptr;
+      null = null || (k < info.states && sp.state[k] == nullptr);
+    }
+    // A tensor without memory (torch's ZeroTensor has address 0): refused, not dereferenced.
+    if (null && count > 0) throw std::invalid_argument("tensor " + std::to_string(i) + " has address 0");
     sp.n = count;
-    sp.sr_key = sr ? nb::cast<uint32_t>(keys[i]) : 0u;
+    if (sr) {
+      uint64_t key = exact_u64(PyList_GET_ITEM(keys.ptr(), i), "sr_keys");
+      if (key > 0xffffffffu) throw std::invalid_argument("sr_keys are 32-bit");
+      sp.sr_key = static_cast<uint32_t>(key);
+    } else {
+      sp.sr_key = 0u;
+    }
   }
   // An aligned copy: the rules read the struct as floats and ints.
   alignas(16) unsigned char blob[256];

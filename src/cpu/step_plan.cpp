@@ -160,8 +160,11 @@ class GroupPlan {
     }
     const size_t k = keys_.size();
     for (nb::handle t : active) {
+      if (!nb::isinstance<nb::tuple>(t)) throw std::invalid_argument("GroupPlan: an active entry is a tuple");
       nb::tuple e = nb::borrow<nb::tuple>(t);
       if (e.size() != 10) throw std::invalid_argument("GroupPlan: an active entry has 10 fields");
+      if (!nb::isinstance<nb::tuple>(e[7]) || !nb::isinstance<nb::tuple>(e[8]))
+        throw std::invalid_argument("GroupPlan: an entry's state tensors and addresses are tuples");
       Entry x;
       x.index = nb::cast<Py_ssize_t>(e[0]);
       x.p = Ref(e[1].ptr()); x.dtype = Ref(e[2].ptr()); x.shape = Ref(e[3].ptr()); x.device = Ref(e[4].ptr());
@@ -283,7 +286,7 @@ class GroupPlan {
       bool ok = g != Py_None && attr_is(g, n.dtype, e.dtype.get()) &&
                 (e.on != nullptr ? attr_is(g, *e.on, Py_True) : attr_eq(g, n.device, e.device.get())) &&
                 attr_eq(g, n.shape, e.shape.get()) && attr_is(g, n.is_contiguous, Py_True) &&
-                attr_u64(g, n.data_ptr, &addr);
+                attr_u64(g, n.data_ptr, &addr) && addr != 0;  // 0: no memory (a ZeroTensor)
       if (ok) {
         PyObject* a = PyLong_FromUnsignedLongLong(addr);
         ok = a != nullptr && PyList_Append(grads.ptr(), g) == 0 && PyList_Append(grad_addresses.ptr(), a) == 0;
@@ -462,7 +465,8 @@ class GroupPlan {
   bool shim_grads(size_t begin, size_t end, void* const* grad_handles, uintptr_t* grad_addrs) const {
     for (size_t i = begin; i < end; ++i) {
       TensorMeta m;
-      if (!TensorHandles::meta(grad_handles[i], &m) || !m.contiguous || !same_as_planned(m, planned_[i]))
+      if (!TensorHandles::meta(grad_handles[i], &m) || !m.contiguous || !same_as_planned(m, planned_[i]) ||
+          m.data == nullptr)  // no memory (a ZeroTensor): the full validation names it
         return false;
       grad_addrs[i] = reinterpret_cast<uintptr_t>(m.data);
     }

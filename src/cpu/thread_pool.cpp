@@ -1,8 +1,8 @@
 #include "thread_pool.h"
 
+#include <pthread.h>
 #include <unistd.h>
 #if defined(__linux__)
-#include <pthread.h>
 #include <sched.h>
 #endif
 
@@ -14,7 +14,14 @@ namespace mfa {
 
 ThreadPool& ThreadPool::instance() {
   // Leaked on purpose: joining threads from a static destructor at interpreter exit can deadlock.
-  static ThreadPool* pool = new ThreadPool();
+  static ThreadPool* pool = [] {
+    auto* p = new ThreadPool();
+    // A forked child (a DataLoader worker, say) inherits the pool's memory but none of its
+    // threads, and perhaps a mutex another thread of the parent held at the fork: reset all of it
+    // in the child, before it runs anything.
+    pthread_atfork(nullptr, nullptr, [] { instance().forget_after_fork(); });
+    return p;
+  }();
   return *pool;
 }
 
@@ -28,15 +35,19 @@ ThreadPool::~ThreadPool() {
 }
 
 void ThreadPool::forget_after_fork() {
-  // A forked child (a DataLoader worker, say) inherits the pool's memory but not its threads:
-  // drop the dead handles (without joining) and start afresh.
-  for (auto& t : workers_) t.detach();
+  // The dead workers' handles are never touched: the child's thread library recycles their
+  // descriptors, so detaching or joining one may hit a live thread of the child. Their
+  // std::thread objects are kept, unused, forever (destroying a joinable one terminates).
+  static auto* dead = new std::vector<std::thread>();
+  for (auto& t : workers_) dead->push_back(std::move(t));
   workers_.clear();
+  new (&run_mu_) std::mutex();
   new (&mu_) std::mutex();
   new (&wake_) std::condition_variable();
   new (&done_) std::condition_variable();
   generation_ = 0;
   active_ = remaining_ = 0;
+  stopping_ = false;
 }
 
 void ThreadPool::grow(int workers) {
@@ -130,11 +141,6 @@ void ThreadPool::run(int n, Task task, void* ctx) {
   // torch's own OpenMP threads where they can be borrowed (torch_openmp.h says why).
   if (run_on_torch_openmp(n, task, ctx)) return;
   std::lock_guard<std::mutex> serial(run_mu_);
-  long pid = static_cast<long>(getpid());
-  if (owner_pid_ != pid) {
-    if (owner_pid_ != 0) forget_after_fork();
-    owner_pid_ = pid;
-  }
   grow(n - 1);
   {
     std::lock_guard<std::mutex> lk(mu_);

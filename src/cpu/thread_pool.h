@@ -45,7 +45,6 @@ class ThreadPool {
   bool stopping_ = false;
   Task task_ = nullptr;
   void* ctx_ = nullptr;
-  long owner_pid_ = 0;
   std::vector<int> pin_cores_;  // empty: never pinned
   bool pin_one_per_thread_ = false;
 };

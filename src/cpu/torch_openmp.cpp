@@ -21,12 +21,17 @@ struct Runtime {
   int (*thread_num)() = nullptr;
   int (*num_threads)() = nullptr;
   std::string path;
-  long pid = 0;
 };
 
 std::once_flag g_once;
 Runtime g_rt;
 std::atomic<bool> g_enabled{true};
+// The process that loaded the extension. A fork child of it must not call into the OpenMP
+// runtime it inherited (libgomp's team threads did not survive the fork; a parallel region can
+// hang): it runs steps on our own pool, whether or not the parent looked the runtime up.
+const long g_load_pid = static_cast<long>(getpid());
+
+bool borrowable() { return g_enabled.load() && g_rt.parallel != nullptr && static_cast<long>(getpid()) == g_load_pid; }
 
 #if defined(__linux__)
 // Prefer the runtime in torch's own lib folder (its wheels bundle libgomp); another OpenMP
@@ -61,7 +66,6 @@ void resolve() {
   rt.num_threads = reinterpret_cast<decltype(rt.num_threads)>(dlsym(lib, "omp_get_num_threads"));
   if (rt.parallel == nullptr || rt.thread_num == nullptr || rt.num_threads == nullptr) return;
   rt.path = path;
-  rt.pid = static_cast<long>(getpid());
   g_rt = rt;
 #endif
   // macOS (torch's bundled libomp): not borrowed yet; untested on Apple hardware, so the own pool.
@@ -84,7 +88,7 @@ void team_member(void* data) {
 
 bool run_on_torch_openmp(int n, ParallelTask task, void* ctx) {
   std::call_once(g_once, resolve);
-  if (!g_enabled.load() || g_rt.parallel == nullptr || static_cast<long>(getpid()) != g_rt.pid) return false;
+  if (!borrowable()) return false;
   Job job{n, task, ctx};
   g_rt.parallel(team_member, &job, static_cast<unsigned>(n), 0);
   return true;
@@ -92,7 +96,7 @@ bool run_on_torch_openmp(int n, ParallelTask task, void* ctx) {
 
 const char* torch_openmp_path() {
   std::call_once(g_once, resolve);
-  return g_enabled.load() ? g_rt.path.c_str() : "";
+  return borrowable() ? g_rt.path.c_str() : "";
 }
 
 void set_torch_openmp(bool on) {
@@ -102,7 +106,7 @@ void set_torch_openmp(bool on) {
 
 bool torch_openmp_enabled() {
   std::call_once(g_once, resolve);
-  return g_enabled.load() && g_rt.parallel != nullptr;
+  return borrowable();
 }
 
 }  // namespace mfa

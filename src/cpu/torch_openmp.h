@@ -13,7 +13,7 @@ using ParallelTask = void (*)(void* ctx, int index);
 
 // Runs task(ctx, i) for every i in [0, n) on the borrowed runtime, the caller taking part, and
 // returns true; returns false (having run nothing) where there is no runtime to borrow, it is
-// switched off, or the process is a fork child of the one that found it.
+// switched off, or the process is a fork child of the one that loaded the extension.
 bool run_on_torch_openmp(int n, ParallelTask task, void* ctx);
 
 // The runtime's path, or "" when none is borrowed.

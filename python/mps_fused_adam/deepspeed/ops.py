@@ -67,6 +67,9 @@ def _check(name: str, t: torch.Tensor, like: torch.Tensor | None = None) -> None
         # call is written, not by a later group's kernel call.
         raise RuntimeError(f"mps_fused_adam.deepspeed: {name} has layout {t.layout}; the optimizer ops "
                            f"need dense (torch.strided) tensors")
+    if t._is_zerotensor():
+        raise RuntimeError(f"mps_fused_adam.deepspeed: {name} is a ZeroTensor (torch's zeros without memory); "
+                           f"the optimizer ops need tensors with memory")
     if t.dtype not in _SUPPORTED:
         raise TypeError(f"mps_fused_adam.deepspeed: {name} has dtype {t.dtype}; expected one of "
                         f"{', '.join(str(d) for d in _SUPPORTED)}")
