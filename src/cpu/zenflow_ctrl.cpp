@@ -130,7 +130,9 @@ void ctrl_exit(uintptr_t ptr) {
 Command wait_command(uintptr_t ptr) {
   Control* c = checked(ptr);
   while (sem_wait(&c->cmd_ready) != 0) {
-  }  // retry on EINTR
+    if (errno != EINTR)  // a signal: wait on; anything else (EINVAL: a broken block) is an error
+      throw std::runtime_error(std::string("ZenFlow control block: sem_wait failed: ") + std::strerror(errno));
+  }
   Command out;
   out.cmd = c->cmd;
   out.now_state = c->now_state;
