@@ -104,12 +104,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
         group's parameters: a rejected group is removed again, so the optimizer is unchanged."""
         _optimizer_method("add_param_group")(self, param_group)
         gi = len(self.param_groups) - 1
-        group = self.param_groups[gi]
-        names = group.get("param_names")
-        for pi, p in enumerate(group["params"]):
-            if p.dtype not in SUPPORTED_DTYPES:
-                self.param_groups.pop()
-                validate.check_param_dtype(p, names[pi] if names else f"param_groups[{gi}]['params'][{pi}]")
+        try:
+            validate.check_group_param_dtypes(self.param_groups[gi], gi)
+        except Exception:
+            self.param_groups.pop()
+            raise
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         _optimizer_method("zero_grad")(self, set_to_none)

@@ -14,7 +14,7 @@ import torch
 from . import lowbit, validate
 from .contract import AdamHyper
 from .lowbit import MIN_8BIT_SIZE, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE, num_blocks
-from .backends import SUPPORTED_DTYPES, CPUBackend, get_backend, update_staged
+from .backends import CPUBackend, get_backend, update_staged
 from .optim import _optimizer_method, load_state_dict_with_hooks
 from .step_entry import fast_step_entry
 from .reference_lowbit import reference_adam8bit_, reference_adam_sr_
@@ -50,10 +50,8 @@ def _check_state(p: torch.Tensor, st: dict, name: str, saved: bool = False) -> N
             raise ValueError(f"{validate.describe(p, name)}: optimizer state '{key}' is {validate.describe(t, key)}; "
                              f"expected shape {shape}, {str(dtype).replace('torch.', '')}"
                              + ("" if saved else f", {p.device}"))
-    step = st.get("step", 0)
-    if not saved and (type(step) is not int or step < 0):
-        raise ValueError(f"{validate.describe(p, name)}: optimizer state 'step' is {step!r} ({type(step).__name__}); "
-                         f"expected the number of steps taken, a non-negative int")
+    if not saved:
+        validate.check_step(p, st, name)
 
 
 # What a state dict this optimizer loads must have: Adam's group hyperparameters (its states are
@@ -85,10 +83,7 @@ class _Adam8bitBase(torch.optim.Optimizer):
         group = self.param_groups[gi]
         try:
             _check_group_options(group, f"param_groups[{gi}]")
-            names = group.get("param_names")
-            for pi, p in enumerate(group["params"]):
-                if p.dtype not in SUPPORTED_DTYPES:
-                    validate.check_param_dtype(p, names[pi] if names else f"param_groups[{gi}]['params'][{pi}]")
+            validate.check_group_param_dtypes(group, gi)
         except Exception:
             self.param_groups.pop()
             raise
@@ -116,18 +111,8 @@ class _Adam8bitBase(torch.optim.Optimizer):
 
     def _check_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Before anything is loaded: an Adam-family state dict whose states fit the parameters."""
-        validate.check_state_dict(state_dict, self.param_groups, _STATE_DICT)
-        saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
-        if len(saved_groups) != len(self.param_groups):
-            return  # torch's own check names this
-        for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
-            if len(saved["params"]) != len(group["params"]):
-                return
-            names = group.get("param_names")
-            for pi, (key, p) in enumerate(zip(saved["params"], group["params"])):
-                st = saved_state.get(key)
-                if st:
-                    _check_state(p, st, names[pi] if names else f"param_groups[{gi}]['params'][{pi}]", saved=True)
+        validate.check_state_dict(state_dict, self.param_groups, _STATE_DICT,
+                                  lambda p, st, name: _check_state(p, st, name, saved=True))
 
     def _retake_states(self, state_dict: dict[str, Any]) -> None:
         saved_state = state_dict["state"]

@@ -1,7 +1,7 @@
 """Checks run on a whole step before any tensor is written, so a rejected step changes nothing."""
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -112,10 +112,25 @@ def check_state(p: torch.Tensor, state: Mapping[str, Any], name: str, state_dtyp
         if t.shape != p.shape or t.device != p.device or t.dtype is not state_dtype:
             raise ValueError(f"{describe(p, name)}: optimizer state '{key}' is {describe(t, key)}; expected "
                              f"shape {tuple(p.shape)}, {str(state_dtype).replace('torch.', '')}, {p.device}")
+    check_step(p, state, name)
+
+
+def check_step(p: torch.Tensor, state: Mapping[str, Any], name: str) -> None:
+    """A state's ``step`` (0 when absent) must be a non-negative int: the optimizers keep it a
+    Python int, ``load_state_dict`` too."""
     step = state.get("step", 0)
-    if type(step) is not int or step < 0:  # the optimizers keep it a Python int (load_state_dict too)
+    if type(step) is not int or step < 0:
         raise ValueError(f"{describe(p, name)}: optimizer state 'step' is {step!r} ({type(step).__name__}); "
                          f"expected the number of steps taken, a non-negative int")
+
+
+def check_group_param_dtypes(group: Mapping[str, Any], gi: int) -> None:
+    """Every parameter of ``param_groups[gi]`` must have a dtype the kernels have (the check made
+    when a group is added)."""
+    names = group.get("param_names")
+    for pi, p in enumerate(group["params"]):
+        if p.dtype not in SUPPORTED_DTYPES:
+            check_param_dtype(p, names[pi] if names else f"param_groups[{gi}]['params'][{pi}]")
 
 
 # What marks a state dict as Adam's: every group has these hyperparameters (torch.optim.Adam/AdamW,
@@ -134,10 +149,12 @@ ADAM_STATE_DICT = StateDictKind("Adam-family", ("betas", "eps"), ("lr_decay",), 
 
 
 def check_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict[str, Any]],
-                     kind: StateDictKind = ADAM_STATE_DICT) -> None:
+                     kind: StateDictKind = ADAM_STATE_DICT,
+                     check_saved_state: Callable[[torch.Tensor, Mapping[str, Any], str], None] | None = None) -> None:
     """Reject, before anything is loaded, a state dict that is not of this optimizer's family
-    (``kind``) or whose state tensors do not fit this optimizer's parameters. Structural
-    mismatches (group or parameter counts) are left to torch's own checks, which follow."""
+    (``kind``) or whose state tensors do not fit this optimizer's parameters (``kind.states`` of
+    the param's shape, and ``check_saved_state(param, saved state, name)`` where given).
+    Structural mismatches (group or parameter counts) are left to torch's own checks, which follow."""
     if not isinstance(state_dict, Mapping) or "param_groups" not in state_dict or "state" not in state_dict:
         found = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
         raise ValueError(f"not an optimizer state dict: expected keys 'state' and 'param_groups', found {found}")
@@ -173,3 +190,5 @@ def check_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict[str,
                 if st[k].shape != p.shape:
                     raise ValueError(f"{describe(p, name)}: the state dict's '{k}' has shape {tuple(st[k].shape)}; "
                                      f"expected {tuple(p.shape)}")
+            if check_saved_state is not None:
+                check_saved_state(p, st, name)
