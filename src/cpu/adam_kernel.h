@@ -174,8 +174,8 @@ inline void pair_step(const Rule& rule, bf16* p, const bf16* g, bf16* const* st,
 // Xeon, AVX-512: unrolling 4 vectors was no better; 2-core EPYC, fp32, in one run each: 4 vectors
 // 1.00x and 0.99x at 1 and 2 threads, 8 vectors with the loads grouped by stream 0.64x and 0.88x,
 // 2 vectors with the loads grouped by stream, as DeepSpeed's loop has them, 1.01x and 1.01x).
-// The prefetch distance is chosen at run time per CPU vendor and dtypes (prefetch_bytes(),
-// adam_types.h).
+// The prefetch distances (near, and far into L2) are chosen at run time per CPU vendor and dtypes
+// (prefetch_bytes(), far_prefetch_bytes(), adam_types.h).
 #ifndef MFA_UNROLL
 #define MFA_UNROLL 2
 #endif
@@ -195,6 +195,8 @@ void span_kernel(const Span& sp, int64_t begin, int64_t end, const void* scalars
   int64_t i = begin;
   const int prefetch = prefetch_bytes(int(sizeof(P)), int(sizeof(S)));
   const int64_t ahead_p = prefetch / int(sizeof(P)), ahead_s = prefetch / int(sizeof(S));
+  const int far = far_prefetch_bytes(int(sizeof(P)), int(sizeof(S)));
+  const int64_t far_p = far / int(sizeof(P)), far_s = far / int(sizeof(S));
   // U independent vectors per iteration: the divide/sqrt chain of one hides the others' latency.
   constexpr int U = MFA_UNROLL;
   // bf16 params and states (and grads): 2W elements per iteration as even and odd lanes.
@@ -206,6 +208,14 @@ void span_kernel(const Span& sp, int64_t begin, int64_t end, const void* scalars
         __builtin_prefetch(p + i + u * W + ahead_p, 1);
         __builtin_prefetch(g + i + u * W + ahead_p, 0);
         for (int k = 0; k < K; ++k) __builtin_prefetch(st[k] + i + u * W + ahead_s, 1);
+      }
+    }
+    if (far > 0) {
+      // Into L2 only: the near prefetch above then finds the line there.
+      for (int u = 0; u < U; ++u) {
+        __builtin_prefetch(p + i + u * W + far_p, 1, 1);
+        __builtin_prefetch(g + i + u * W + far_p, 0, 1);
+        for (int k = 0; k < K; ++k) __builtin_prefetch(st[k] + i + u * W + far_s, 1, 1);
       }
     }
     if constexpr (kPairs) {

@@ -11,6 +11,11 @@ namespace mfa {
 // one distance for all.
 int prefetch_bytes(int param_size, int state_size);
 void set_prefetch_bytes(int bytes);  // 0 to 65536, or -1 for the per-vendor choice; else throws
+// A second prefetch of each stream, this many bytes ahead, into L2 only (locality hint 1,
+// prefetcht2 on x86); 0 for none. Per vendor and sizes (dispatch.cpp) unless
+// set_far_prefetch_bytes() fixed one distance.
+int far_prefetch_bytes(int param_size, int state_size);
+void set_far_prefetch_bytes(int bytes);  // 0 to 1 << 20, or -1 for the per-vendor choice; else throws
 // Whether the x86 span loops take bf16 params and states as even and odd lanes (adam_kernel.h);
 // on by default. Off only to measure the difference in one process (benchmarks/diag_bf16_pairs.py).
 bool bf16_pairs();

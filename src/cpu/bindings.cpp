@@ -197,6 +197,15 @@ NB_MODULE(_cpu, m) {
   m.def("set_prefetch_bytes", [](std::optional<int> bytes) { set_prefetch_bytes(bytes ? *bytes : -1); },
         nb::arg("bytes").none(),
         "One prefetch distance (0 to 65536 bytes) for every dtype, or None: the per-vendor choice.");
+  m.def("far_prefetch_bytes",
+        [](int param_size, int state_size) { return far_prefetch_bytes(param_size, state_size); },
+        nb::arg("param_size"), nb::arg("state_size"),
+        "How far ahead (bytes) the kernel's second prefetch of each stream brings lines into L2 for\n"
+        "params and states of these element sizes; 0: no second prefetch.");
+  m.def("set_far_prefetch_bytes", [](std::optional<int> bytes) { set_far_prefetch_bytes(bytes ? *bytes : -1); },
+        nb::arg("bytes").none(),
+        "One far prefetch distance (0 to 1048576 bytes, 0: none) for every dtype, or None: the\n"
+        "per-vendor choice.");
   m.def("bf16_pairs", [] { return bf16_pairs(); },
         "Whether the x86 kernels take bf16 params and states as even and odd lanes (the default).");
   m.def("set_bf16_pairs", [](bool on) { set_bf16_pairs(on); }, nb::arg("on"),
