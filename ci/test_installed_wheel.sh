@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Build the sdist and a wheel with `python -m build`, check both with ci/check_wheel.py, install
-# the wheel into a fresh virtual environment and run the whole test suite against the installed
-# package from outside the source tree, then show auditwheel's view of the wheel.
+# Build the sdist and a wheel with `python -m build`, check both with ci/check_wheel.py, show
+# auditwheel's view of the wheel, install the wheel into a fresh virtual environment and run the
+# whole test suite against the installed package from a scratch directory holding only
+# pyproject.toml's test-sources, as cibuildwheel does.
 #
 #   bash ci/test_installed_wheel.sh            (from .ci/run; PYTHON picks the interpreter)
 #
@@ -97,4 +98,13 @@ assert "site-packages" in where.parts and repo not in where.parents, f"imported 
 print(f"mps_fused_adam {mps_fused_adam.__version__} from {where.parent}")
 EOF
 python -m mps_fused_adam
+
+# The suite runs as cibuildwheel runs it for each wheel: from a scratch directory holding only the
+# paths pyproject.toml's [tool.cibuildwheel] test-sources names (ci/copy_test_sources.py reads that
+# list, so it is written in one place). A test that reads a repository file missing from the list
+# fails here, not first on GitHub. The MFA_* variables the caller exported (MFA_REQUIRE_*, the
+# DeepSpeed op paths above) and MFA_WHEEL apply there as they did in the checkout.
+TESTDIR="$WORK/test-sources"
+"$PY" "$REPO/ci/copy_test_sources.py" "$TESTDIR"
+cd "$TESTDIR"
 MFA_WHEEL="$WHEEL" python -m pytest tests -ra -p no:cacheprovider
