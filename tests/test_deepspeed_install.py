@@ -346,3 +346,29 @@ def test_lion_adagrad_builders_and_lamb_out_of_scope(tmp_path):
     """, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(dsenv.free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     assert "CALLS ['adagrad_update:cpu', 'lion_update:cpu', 'multi_tensor_lion:cpu']" in out, out[-3000:]
     assert "NONCONTIGUOUS OK" in out
+
+
+def test_use_mps_false_leaves_mps_for_the_cpu_accelerator(tmp_path):
+    """On a Mac (pseudo-MPS: DeepSpeed auto-detects MPS at import), ``install(use_mps=False)``
+    does not leave the process on DeepSpeed's own MPS accelerator, without this package's
+    staging and device mapping: it takes DeepSpeed's CPU accelerator, whatever ran before."""
+    out = _run(tmp_path, """
+    import os, sys
+    sys.path.insert(0, os.environ["MFA_TESTS_SUPPORT"])
+    import pseudo_mps
+    pseudo_mps.activate()
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    import mps_fused_adam.deepspeed as mfd
+    assert get_accelerator()._name == "mps" and not hasattr(get_accelerator(), "mps_fused_adam_complete_base")
+    report = mfd.install(use_mps=False)
+    accel = get_accelerator()
+    print("first", report["accelerator"], type(accel).__name__, accel.device_name(1))
+    report = mfd.install()  # ours
+    print("ours", report["accelerator"], hasattr(get_accelerator(), "mps_fused_adam_complete_base"))
+    report = mfd.install(use_mps=False)
+    print("again", report["accelerator"], type(get_accelerator()).__name__)
+    """, MFA_TESTS_SUPPORT=str(Path(__file__).resolve().parent / "deepspeed_support"))
+    lines = [line.split() for line in out.splitlines() if line.split()[:1] in (["first"], ["ours"], ["again"])]
+    assert lines == [["first", "cpu", "CPU_Accelerator", "cpu"], ["ours", "mps", "True"],
+                     ["again", "cpu", "CPU_Accelerator"]], out

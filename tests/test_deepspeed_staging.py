@@ -158,12 +158,34 @@ def test_stub_releases_gain_coalesced_all_to_all_and_batch_p2p(staging):
     work.wait()
     assert torch.equal(outs[0], torch.tensor([7.0])) and torch.equal(outs[1], torch.tensor([10.0, 11.0]))
 
-    send, recv = mps([4.0]), mps([0.0, 0.0])
-    ops = [P2POp("isend", send, 1), P2POp("irecv", recv, 1)]
+    # One handle per op (gloo): a receive's own wait() delivers it, as without staging.
+    send, recv, recv2 = mps([4.0]), mps([0.0, 0.0]), mps([0.0])
+    ops = [P2POp("isend", send, 1), P2POp("irecv", recv, 1), P2POp("irecv", recv2, 1)]
     works = b.batch_isend_irecv(ops)
     assert ops[1].tensor is recv  # the caller's ops are not modified
+    assert torch.equal(recv, torch.tensor([0.0, 0.0]))  # nothing before wait()
     works[1].wait()
-    assert torch.equal(recv, torch.tensor([0.0, 0.0]))  # copied back only when all are done
+    assert torch.equal(recv, torch.tensor([10.0, 11.0])) and torch.equal(recv2, torch.tensor([0.0]))
+    recv.fill_(5.0)
+    works[1].wait()  # a second wait copies nothing again
+    assert torch.equal(recv, torch.tensor([5.0, 5.0]))
+    works[2].wait()
+    works[0].wait()
+    assert torch.equal(recv2, torch.tensor([10.0])) and torch.equal(send, torch.tensor([4.0]))
+
+
+def test_coalesced_batch_p2p_copies_back_after_its_handle(staging):
+    """A backend that coalesces the batch into one handle (NCCL's form): the receives are
+    copied back when that handle has been waited on."""
+    class Coalesced(Backend):
+        def batch_isend_irecv(self, p2p_op_list):
+            works = super().batch_isend_irecv(p2p_op_list)
+            return [FakeWork(on_wait=lambda: [w.wait() for w in works])]
+    cls = type("C", (Coalesced,), {})
+    staging.install_cpu_staging(cls)
+    send, recv = mps([4.0]), mps([0.0, 0.0])
+    works = cls().batch_isend_irecv([P2POp("isend", send, 1), P2POp("irecv", recv, 1)])
+    assert len(works) == 1 and torch.equal(recv, torch.tensor([0.0, 0.0]))
     works[0].wait()
     assert torch.equal(recv, torch.tensor([10.0, 11.0])) and torch.equal(send, torch.tensor([4.0]))
 

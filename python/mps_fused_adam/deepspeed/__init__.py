@@ -145,8 +145,12 @@ def install(block_jit: bool = True, use_mps: bool | None = None,
             fallback paths instead of JIT-compiling (for example its CPU communication backend's
             ``deepspeed_shm_comm`` op, built during ``deepspeed.initialize``). ``False`` leaves
             those ops to DeepSpeed (a compiler and ninja are then needed if they are used).
-        use_mps: select the MPS accelerator. ``None`` (default): when MPS is available, unless the
-            ``DS_ACCELERATOR`` environment variable names another accelerator.
+        use_mps: ``True``: this package's MPS accelerator. ``False``: not MPS; where DeepSpeed had
+            picked MPS (its own accelerator, or ours from an earlier call), its CPU accelerator
+            instead, as ``DS_ACCELERATOR=cpu`` gives, rather than DeepSpeed's own MPS accelerator
+            without this package's fixes; any other accelerator stays. ``None`` (default): ours
+            when MPS is available, unless the ``DS_ACCELERATOR`` environment variable names
+            another accelerator.
         single_process_defaults: when none of ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
             ``MASTER_ADDR``, ``MASTER_PORT`` is set and no MPI/AzureML/SageMaker launcher is
             detected, set them for one process (``0, 0, 1, 127.0.0.1``, a free port). Without
@@ -180,13 +184,17 @@ def install(block_jit: bool = True, use_mps: bool | None = None,
             redirect = _state["redirect"] = Redirect(block_jit)
         _wrap_set_accelerator(redirect)
 
+        refuse_mps = use_mps is False
         if use_mps is None:
             use_mps = _mps_available() and os.environ.get("DS_ACCELERATOR", "mps") == "mps"
         current = get_accelerator()
+        import deepspeed.accelerator.real_accelerator as real
         if use_mps and getattr(current, "mps_fused_adam_complete_base", None) is None:
             from .accelerator import mps_accelerator
-            import deepspeed.accelerator.real_accelerator as real
             real.set_accelerator(mps_accelerator())  # the wrapped one: patches it too
+        elif refuse_mps and getattr(current, "_name", None) == "mps":
+            from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+            real.set_accelerator(CPU_Accelerator())
         accel = get_accelerator()
         patch_accelerator(accel, redirect)
         guard_jit_builds(redirect)

@@ -162,13 +162,16 @@ def staged(name: str, func: Callable) -> Callable:
 
 
 def staged_batch_isend_irecv(func: Callable) -> Callable:
-    """``batch_isend_irecv(p2p_op_list)``: each op's tensor staged; received tensors are copied
-    back when every returned work handle has been waited on."""
+    """``batch_isend_irecv(p2p_op_list)``: each op's tensor staged. Where the backend returns one
+    work handle per op (gloo, the backend on macOS), waiting on a receive's own handle copies its
+    tensor back, as waiting on it delivers the data without staging; where it returns fewer
+    (coalesced, one handle for the batch), the received tensors are copied back once every
+    returned handle has been waited on."""
 
     @functools.wraps(func)
     def wrapper(self, p2p_op_list):
-        ops, pairs = [], []
-        for op in p2p_op_list:
+        ops, pairs = [], {}  # pairs: op index -> (device tensor, its CPU stand-in), receives only
+        for index, op in enumerate(p2p_op_list):
             tensor = getattr(op, "tensor", None)
             if not needs_staging(tensor):
                 ops.append(op)
@@ -177,23 +180,28 @@ def staged_batch_isend_irecv(func: Callable) -> Callable:
             kind = getattr(op, "op", None)
             kind = kind if isinstance(kind, str) else getattr(kind, "__name__", "")
             if kind in ("irecv", "recv"):
-                pairs.append((tensor, host))
+                pairs[index] = (tensor, host)
             clone = copy.copy(op)
             clone.tensor = host
             ops.append(clone)
         works = func(self, ops)
         if not pairs:
             return works
-        waited: set = set()
         handles = list(works) if works is not None else []
+        if len(handles) == len(ops):
+            def copy_back_own(index):
+                if index in pairs:
+                    _copy_back(*pairs[index])
+            return [_StagedWork(w, _once(functools.partial(copy_back_own, i))) for i, w in enumerate(handles)]
+        waited: set = set()
 
         def copy_back_when_all_waited(index):
             waited.add(index)
             if len(waited) == len(handles):
-                for device_tensor, host_tensor in pairs:
+                for device_tensor, host_tensor in pairs.values():
                     _copy_back(device_tensor, host_tensor)
 
-        return [_StagedWork(w, functools.partial(copy_back_when_all_waited, i)) for i, w in enumerate(handles)]
+        return [_StagedWork(w, _once(functools.partial(copy_back_when_all_waited, i))) for i, w in enumerate(handles)]
 
     wrapper._mps_fused_adam_staged = True
     return wrapper
