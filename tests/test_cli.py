@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 HELP_PROBE = """
 import runpy, sys, time
@@ -131,3 +132,41 @@ def test_bench_plot_without_matplotlib_fails_before_running(monkeypatch):
     monkeypatch.setattr(bench, "cpu_section", must_not_run)
     with pytest.raises(SystemExit, match=r"--plot needs matplotlib.*mps-fused-adam\[bench\]"):
         bench.main(["--quick", "--plot", "out.png"])
+
+
+class Tampered:
+    """The CPU backend followed by ``after(rule, params, states, old_params)``: a stand-in for a
+    backend with a bug, checked by the self-check like any other."""
+    name = "tampered"
+
+    def __init__(self, after):
+        from mps_fused_adam.backends import get_backend
+        self.inner, self.after = get_backend("cpu"), after
+
+    def update(self, rule, params, grads, states, hp, sr_keys=None):
+        old = [p.clone() for p in params]
+        self.inner.update(rule, params, grads, states, hp)
+        self.after(rule, params, states, old)
+
+
+def _check(after, device="cpu"):
+    from mps_fused_adam.selfcheck import check_backend
+    return list(check_backend(Tampered(after), device, "tampered"))
+
+
+def test_a_nan_written_by_a_backend_fails_the_check():
+    def nan(rule, params, states, old):
+        params[0].view(-1)[7] = float("nan")
+    results = _check(nan)
+    assert results and all(not r.passed for r in results)
+    assert all(r.worst_in_eps == float("inf") for r in results)
+
+
+def test_abs_diff_counts_a_one_sided_nan_as_infinitely_wrong():
+    from mps_fused_adam.selfcheck import CheckResult, _abs_diff
+    nan, inf = float("nan"), float("inf")
+    a = torch.tensor([nan, nan, 1.0, inf, inf, -inf, 2.0])
+    b = torch.tensor([nan, 1.0, nan, inf, 1.0, inf, 1.5])
+    assert _abs_diff(a, b).tolist() == [0.0, inf, inf, 0.0, inf, inf, 0.5]
+    assert not CheckResult("x", "cpu", "float32/float32", nan, False).passed
+    assert not CheckResult("x", "cpu", "float32/float32", inf, False).passed

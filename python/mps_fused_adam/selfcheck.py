@@ -9,6 +9,7 @@ measured worst difference is reported; on CPU it is normally exactly zero.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable, Iterator
@@ -33,7 +34,27 @@ class CheckResult:
 
     @property
     def passed(self) -> bool:
-        return self.worst_in_eps <= 8.0
+        # A NaN or infinite worst (a NaN on one side only, a code that differs) is a failure, not
+        # a number that happens to compare false against the bound.
+        return math.isfinite(self.worst_in_eps) and self.worst_in_eps <= 8.0
+
+
+def _abs_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``|a - b|`` in fp32, element by element, where equal values (both NaN, the same infinity)
+    count 0 and a NaN on one side only counts infinity: ``a - b`` would be NaN there, and NaN
+    vanishes from a ``max`` (Python's ``max(0.0, nan)`` is 0.0), so a NaN written by a backend
+    would pass."""
+    a, b = a.float(), b.float()
+    d = torch.where((a == b) | (a.isnan() & b.isnan()), 0.0, (a - b).abs())
+    return torch.where(a.isnan() ^ b.isnan(), math.inf, d)
+
+
+def _scale(ref: torch.Tensor) -> float:
+    """``eps(dtype) * max|ref|`` over the finite values (an infinite reference value would make
+    every difference vanish)."""
+    r = ref.float().abs()
+    big = torch.where(r.isfinite(), r, 0.0).max().item() if r.numel() else 0.0
+    return torch.finfo(ref.dtype).eps * max(big, torch.finfo(torch.float32).tiny)
 
 
 def _hypers(rule: str, step: int, flag: bool) -> Any:
@@ -63,8 +84,7 @@ def check_backend(backend: Any, device: str, label: str, n: int = 4099) -> Itera
                 for a, b in zip(ours, ref):
                     a = a.cpu()
                     exact &= torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-                    scale = torch.finfo(b.dtype).eps * max(b.float().abs().max().item(), torch.finfo(torch.float32).tiny)
-                    worst = max(worst, ((a.float() - b.float()).abs().max().item()) / scale)
+                    worst = max(worst, _abs_diff(a, b).max().item() / _scale(b))
             label_dtypes = f"{str(pd)[6:]}/{str(sd)[6:]}" if rule == "adam" else f"{rule} {str(pd)[6:]}/{str(sd)[6:]}"
             yield CheckResult(label, device, label_dtypes, worst, exact)
 
@@ -75,8 +95,7 @@ def _worst(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> tuple[float, bo
         a = a.cpu()
         exact &= torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
         if b.is_floating_point():
-            scale = torch.finfo(b.dtype).eps * max(b.float().abs().max().item(), torch.finfo(torch.float32).tiny)
-            worst = max(worst, (a.float() - b.float()).abs().max().item() / scale)
+            worst = max(worst, _abs_diff(a, b).max().item() / _scale(b))
         elif not torch.equal(a, b):  # a code differs: not within any bound
             worst = float("inf")
     return worst, exact
