@@ -170,3 +170,51 @@ def test_abs_diff_counts_a_one_sided_nan_as_infinitely_wrong():
     assert _abs_diff(a, b).tolist() == [0.0, inf, inf, 0.0, inf, inf, 0.5]
     assert not CheckResult("x", "cpu", "float32/float32", nan, False).passed
     assert not CheckResult("x", "cpu", "float32/float32", inf, False).passed
+
+
+def _leave_params(rule, params, states, old):
+    for p, o in zip(params, old):
+        p.copy_(o)
+
+
+def _reverse_params(rule, params, states, old):
+    for p, o in zip(params, old):
+        p.copy_(2 * o.float() - p.float())
+
+
+def _one_ulp_off(rule, params, states, old, calls=[0]):
+    """Each param a random +-1 ulp of its dtype off after the last of the three steps: an honest
+    rounding difference in the stored result (what a Metal tier may show), which must pass."""
+    calls[0] += 1
+    if calls[0] % 3:
+        return
+    gen = torch.Generator().manual_seed(calls[0])
+    for p in params:
+        ulp = torch.finfo(p.dtype).eps * torch.exp2(torch.floor(torch.log2(p.float().abs())))
+        p.copy_(p.float() + ulp * torch.where(torch.rand(p.shape, generator=gen) < 0.5, -1.0, 1.0))
+
+
+@pytest.mark.parametrize("after", [_leave_params, _reverse_params])
+def test_params_not_written_or_moved_backwards_fail_every_case(after):
+    """In half precision the contract's bound (8 eps x max|ref|) used to exceed the whole movement
+    of three steps, so a backend that never wrote the params (or moved them the wrong way) passed
+    Adam bf16/bf16, every half Lion pair and Adagrad fp16/bf16. On CPU bit identity is required;
+    the tolerance used off CPU must reject them too."""
+    import dataclasses
+    results = _check(after)
+    assert len(results) == 15 and all(r.exact_required and not r.passed for r in results)
+    for r in results:
+        loose = dataclasses.replace(r, exact_required=False)  # as an MPS backend is judged
+        assert not loose.passed, r
+        assert r.worst_of_update >= 0.99, r  # the whole movement is missing (1) or doubled (2)
+
+
+def test_the_tolerance_off_cpu_admits_rounding_differences():
+    import dataclasses
+    from mps_fused_adam.selfcheck import UPDATE_BOUND
+    results = _check(_one_ulp_off)
+    assert len(results) == 15
+    for r in results:
+        assert not r.passed  # on CPU only bit identity passes
+        assert dataclasses.replace(r, exact_required=False).passed, r
+        assert r.worst_of_update < UPDATE_BOUND / 2, r

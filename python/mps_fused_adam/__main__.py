@@ -70,13 +70,15 @@ def print_environment(env: dict[str, Any]) -> None:
 
 def self_check(echo: bool) -> list[dict[str, Any]]:
     """Every available backend against the reference; printed line by line as it runs if ``echo``."""
-    from .selfcheck import all_checks
+    from .selfcheck import UPDATE_BOUND, all_checks
     if echo:
-        print("Self-check against the reference (bound: 8 eps x max|ref|):")
+        print("Self-check against the reference (on CPU: bit for bit; elsewhere within 8 eps x max|ref| "
+              f"and {UPDATE_BOUND:g} of each tensor's movement):")
     results = []
     for r in all_checks():
         results.append({"backend": r.backend, "device": r.device, "dtypes": r.dtypes,
-                        "worst_in_eps": r.worst_in_eps, "bit_exact": r.bit_exact, "passed": r.passed})
+                        "worst_in_eps": r.worst_in_eps, "worst_of_update": r.worst_of_update,
+                        "bit_exact": r.bit_exact, "exact_required": r.exact_required, "passed": r.passed})
         if echo:
             print(f"  {'ok' if r.passed else 'FAIL':4} {r.backend:18} {r.device:4} {r.dtypes:26} "
                   f"worst {r.worst_in_eps:.3g} eps{'  (bit-exact)' if r.bit_exact else ''}", flush=True)
