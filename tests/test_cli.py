@@ -57,13 +57,19 @@ def test_check_only_json():
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)  # nothing but the JSON object on stdout
     assert set(report) == {"self_check", "passed"} and report["passed"] is True
-    from mps_fused_adam.selfcheck import PAIRS
+    from mps_fused_adam.selfcheck import AGREEMENT_BOUND, AGREEMENT_LABEL, PAIRS
     cpu_paths = [r for r in report["self_check"] if r["backend"].startswith("_cpu (")]
-    per_path = len(PAIRS) * 3 + 5  # Adam, Lion, Adagrad per dtype pair; 8-bit Adam x 3, stochastic rounding x 2
+    # Adam, Lion, Adagrad per dtype pair; 8-bit Adam x 3, stochastic rounding x 2; torch.optim.AdamW
+    per_path = len(PAIRS) * 3 + 5 + 1
     assert cpu_paths and len(cpu_paths) % per_path == 0
-    assert sum(r["dtypes"].startswith(("adam8bit ", "adam-sr ")) for r in cpu_paths) == 5 * len(cpu_paths) // per_path
+    paths = len(cpu_paths) // per_path
+    assert sum(r["dtypes"].startswith(("adam8bit ", "adam-sr ")) for r in cpu_paths) == 5 * paths
+    agreement = [r for r in report["self_check"] if r["dtypes"] == AGREEMENT_LABEL]
+    assert [r["backend"] for r in agreement] == [r["backend"] for r in cpu_paths[::per_path]] + ["foreach"]
+    assert all(0 < r["worst_in_eps"] < AGREEMENT_BOUND and r["passed"] for r in agreement)
     # The CPU kernel equals the reference bit for bit on every SIMD path (the contract).
-    assert all(r["bit_exact"] and r["worst_in_eps"] == 0 and r["passed"] for r in cpu_paths)
+    assert all(r["bit_exact"] and r["worst_in_eps"] == 0 and r["passed"] and r["exact_required"]
+               for r in cpu_paths if r["dtypes"] != AGREEMENT_LABEL)
 
 
 def test_no_bench_text_report():
@@ -218,3 +224,39 @@ def test_the_tolerance_off_cpu_admits_rounding_differences():
         assert not r.passed  # on CPU only bit identity passes
         assert dataclasses.replace(r, exact_required=False).passed, r
         assert r.worst_of_update < UPDATE_BOUND / 2, r
+
+
+def test_a_host_scalar_bug_shared_with_the_reference_fails(monkeypatch, capsys):
+    """The second moment's bias correction dropped in the host scalars, which the reference and
+    every kernel take from contract.adam_scalars: no comparison with the reference can see it;
+    the agreement with torch.optim.AdamW, now judged, does (reported at ~5e5 eps x max|p|)."""
+    import dataclasses
+
+    from mps_fused_adam import __main__ as cli
+    from mps_fused_adam import backends, contract, reference
+    orig = contract.adam_scalars
+
+    def buggy(hp):
+        return orig(hp)._replace(d2=1.0)
+    for module in (contract, reference, backends):
+        monkeypatch.setattr(module, "adam_scalars", buggy)
+    monkeypatch.setitem(contract.RULES, "adam", dataclasses.replace(contract.RULES["adam"], scalars=buggy))
+    assert cli.main(["--check", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] is False
+    failed = [r for r in report["self_check"] if not r["passed"]]
+    assert failed and all(r["dtypes"] == "AdamW vs torch.optim.AdamW" for r in failed)
+    assert {r["backend"] for r in failed} >= {"foreach"} and all(r["worst_in_eps"] > 1e4 for r in failed)
+
+
+def test_torch_result_of_the_agreement_is_torch_optim_adamw():
+    """The agreement check takes torch's result from its functional adamw (cheaper to import):
+    it must be what torch.optim.AdamW(foreach=False) gives, bit for bit."""
+    from mps_fused_adam.selfcheck import _torch_adamw
+    p0, grads, theirs = _torch_adamw(20, 3001, 0.01)
+    tp = torch.nn.Parameter(p0.clone())
+    opt = torch.optim.AdamW([tp], lr=1e-3, weight_decay=0.01, foreach=False)
+    for g in grads:
+        tp.grad = g.clone()
+        opt.step()
+    assert not torch.equal(p0, theirs) and torch.equal(tp.detach(), theirs)

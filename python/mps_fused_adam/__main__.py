@@ -115,16 +115,18 @@ def main(argv: Optional[list[str]] = None) -> int:
             print()
     report["self_check"] = self_check(echo=text)
     failed = sum(not r["passed"] for r in report["self_check"])
+    if not args.check_only:
+        from .selfcheck import torch_agreement
+        a = report["torch_agreement"] = torch_agreement()
+        failed += not a["passed"]
+        if text:
+            print(f"\n{'ok' if a['passed'] else 'FAIL'}: the contract (the reference) against torch.optim.AdamW "
+                  f"(fp32, 100 steps, 100K params): {a['identical']:.1%} bit-identical, mean "
+                  f"{a['mean_ulps']:.2f} ulps, largest difference {a['max_in_eps']:.3g} eps x max|p| "
+                  f"(bound {a['bound']:g})")
     report["passed"] = failed == 0
     if failed and text:
         print(f"\n{failed} self-check(s) FAILED")
-    if not (failed or args.check_only):
-        from .selfcheck import torch_agreement
-        a = report["torch_agreement"] = torch_agreement()
-        if text:
-            print(f"\nThe contract against torch.optim.AdamW (fp32, 100 steps, 100K params): "
-                  f"{a['identical']:.1%} bit-identical, mean {a['mean_ulps']:.2f} ulps, "
-                  f"largest difference {a['max_in_eps']:.3g} eps x max|p|")
     if not (failed or args.check_only or args.no_bench):
         if text:
             print()

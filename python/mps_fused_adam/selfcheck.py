@@ -13,7 +13,9 @@ same start as the reference, and is judged by what the README promises for it:
   small (``PARAM_SCALE``) so that three steps move them by many ulps even in bf16.
 
 The measured worst difference is reported. :func:`torch_agreement` measures how far the contract
-is from ``torch.optim.AdamW`` (in ulps).
+is from ``torch.optim.AdamW``; run through each backend (:func:`check_agreement`) it is a case of
+the self-check with its own bound, ``AGREEMENT_BOUND``: it catches a bug in the host scalars,
+which the reference shares with the kernels.
 """
 from __future__ import annotations
 
@@ -37,7 +39,6 @@ PARAM_SCALE = 0.02
 # that does not write a tensor scores 1, one that moves it the wrong way 2; a few ulps of honest
 # rounding difference score well under 0.1 at PARAM_SCALE.
 UPDATE_BOUND = 0.25
-BOUND_EPS = 8.0
 
 PAIRS = [(torch.float32, torch.float32), (torch.float16, torch.float32), (torch.float16, torch.float16),
          (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)]
@@ -52,6 +53,7 @@ class CheckResult:
     bit_exact: bool
     exact_required: bool = False  # on CPU the README promises bit identity with the reference
     worst_of_update: float = 0.0  # worst max|ours - ref| / max|ref - start| over the tensors
+    bound: float = 8.0  # on worst_in_eps where bit identity is not required
 
     @property
     def passed(self) -> bool:
@@ -59,7 +61,7 @@ class CheckResult:
             return self.bit_exact
         # A NaN or infinite worst (a NaN on one side only, a code that differs) is a failure, not
         # a number that happens to compare false against the bound.
-        return (math.isfinite(self.worst_in_eps) and self.worst_in_eps <= BOUND_EPS
+        return (math.isfinite(self.worst_in_eps) and self.worst_in_eps <= self.bound
                 and math.isfinite(self.worst_of_update) and self.worst_of_update <= UPDATE_BOUND)
 
 
@@ -217,9 +219,11 @@ def all_checks() -> Iterator[CheckResult]:
                 _cpu.set_simd_path(path)
                 yield from check_backend(cpu, "cpu", f"_cpu ({path})")
                 yield from check_lowbit(*_cpu_lowbit(cpu), "cpu", f"_cpu ({path})")
+                yield check_agreement(cpu, "cpu", f"_cpu ({path})")
         finally:
             _cpu.set_simd_path(before)
     yield from check_backend(ForeachBackend(), "cpu", "foreach")
+    yield check_agreement(ForeachBackend(), "cpu", "foreach")
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         from .mps_backends import mps_tiers
         for label, make in mps_tiers():
@@ -229,7 +233,9 @@ def all_checks() -> Iterator[CheckResult]:
                 continue
             yield from check_backend(backend, "mps", label)
             yield from check_lowbit(*_metal_lowbit(backend), "mps", label)
+            yield check_agreement(backend, "mps", label)
         yield from check_backend(ForeachBackend(), "mps", "foreach")
+        yield check_agreement(ForeachBackend(), "mps", "foreach")
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -240,27 +246,68 @@ def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (ordered(a) - ordered(b)).abs()
 
 
-def torch_agreement(step_fn: Callable[..., None] | None = None, steps: int = 100, n: int = 100_000,
-                    weight_decay: float = 0.01) -> dict[str, float]:
-    """fp32 params after ``steps`` AdamW steps (lr 1e-3, default betas and eps) by ``step_fn``
-    (default: the contract's reference; called as ``step_fn(p, g, m, v, hyper)``) against
-    ``torch.optim.AdamW(foreach=False)`` from the same start and gradients: the mean and the
-    largest distance in ulps, the share of bit-identical elements, and the largest difference in
-    units of ``eps(fp32) * max|p|``."""
-    step_fn = step_fn or reference_adam_
+# How far the contract may be from torch.optim.AdamW after torch_agreement's 100 steps, in units
+# of eps(fp32) x max|p|. torch orders the same operations differently (its denominator divides by
+# sqrt(bc2) where the contract multiplies by 1 / sqrt(bc2); addcdiv instead of a product), so each
+# step's update may differ by an ulp or two of the update, which is about lr = 1e-3, far below
+# |p|: measured 0.66 (100K params) and 0.46 (20K). A bound of 4 leaves a margin of six; a bug in
+# the host scalars that the reference and the kernels share (a bias correction dropped, a wrong
+# beta) moves the params by ~5e5 of these units, which no comparison with the reference can see.
+AGREEMENT_BOUND = 4.0
+AGREEMENT_LABEL = "AdamW vs torch.optim.AdamW"
+
+
+@lru_cache(maxsize=2)
+def _torch_adamw(steps: int, n: int, weight_decay: float) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """The start, the grads of every step and torch.optim.AdamW's result (``foreach=False``):
+    made once per size for every backend compared with it. Through torch's functional
+    ``adamw``, the function ``AdamW.step`` calls, where it takes these arguments: constructing the
+    class imports torch._dynamo, which made ``--check`` 1.5 s slower here."""
     gen = torch.Generator().manual_seed(0)
     p0 = torch.randn(n, generator=gen)
-    tp = torch.nn.Parameter(p0.clone())
-    opt = torch.optim.AdamW([tp], lr=1e-3, weight_decay=weight_decay, foreach=False)
-    p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
-    for step in range(1, steps + 1):
-        g = torch.randn(n, generator=gen) * 1e-2
-        tp.grad = g.clone()
-        opt.step()
-        step_fn(p, g, m, v, AdamHyper(1e-3, 0.9, 0.999, 1e-8, weight_decay, step))
-    theirs = tp.detach()
+    grads = [torch.randn(n, generator=gen) * 1e-2 for _ in range(steps)]
+    p, m, v, step = p0.clone(), torch.zeros(n), torch.zeros(n), torch.tensor(0.0)
+    try:
+        from torch.optim.adamw import adamw
+        for g in grads:
+            adamw([p], [g.clone()], [m], [v], [], [step], foreach=False, amsgrad=False, beta1=0.9,
+                  beta2=0.999, lr=1e-3, weight_decay=weight_decay, eps=1e-8, maximize=False)
+    except (ImportError, TypeError):  # another torch's functional form: the class, as users call it
+        tp = torch.nn.Parameter(p0.clone())
+        opt = torch.optim.AdamW([tp], lr=1e-3, weight_decay=weight_decay, foreach=False)
+        for g in grads:
+            tp.grad = g.clone()
+            opt.step()
+        p = tp.detach().clone()
+    return p0, grads, p
+
+
+def torch_agreement(step_fn: Callable[..., None] | None = None, steps: int = 100, n: int = 100_000,
+                    weight_decay: float = 0.01, device: str = "cpu") -> dict[str, Any]:
+    """fp32 params after ``steps`` AdamW steps (lr 1e-3, default betas and eps) by ``step_fn``
+    (default: the contract's reference; called as ``step_fn(p, g, m, v, hyper)`` on ``device``)
+    against ``torch.optim.AdamW(foreach=False)`` from the same start and gradients: the mean and
+    the largest distance in ulps, the share of bit-identical elements, the largest difference in
+    units of ``eps(fp32) * max|p|`` and whether that is within ``AGREEMENT_BOUND``."""
+    step_fn = step_fn or reference_adam_
+    p0, grads, theirs = _torch_adamw(steps, n, weight_decay)
+    p = p0.to(device, copy=True)
+    m, v = torch.zeros(n, device=device), torch.zeros(n, device=device)
+    for step, g in enumerate(grads, 1):
+        step_fn(p, g.to(device, copy=True), m, v, AdamHyper(1e-3, 0.9, 0.999, 1e-8, weight_decay, step))
+    p = p.cpu()
     u = ulps(p, theirs)
     scale = torch.finfo(torch.float32).eps * theirs.abs().max().item()
+    max_in_eps = _abs_diff(p, theirs).max().item() / scale
     return {"mean_ulps": u.double().mean().item(), "max_ulps": float(u.max().item()),
-            "identical": (u == 0).double().mean().item(),
-            "max_in_eps": (p - theirs).abs().max().item() / scale}
+            "identical": (u == 0).double().mean().item(), "max_in_eps": max_in_eps,
+            "bound": AGREEMENT_BOUND, "passed": math.isfinite(max_in_eps) and max_in_eps <= AGREEMENT_BOUND}
+
+
+def check_agreement(backend: Any, device: str, label: str, n: int = 20_000) -> CheckResult:
+    """:func:`torch_agreement` through ``backend`` as one self-check case (100 steps of ``n`` fp32
+    params; 20K keeps it to a tenth of a second on CPU)."""
+    a = torch_agreement(lambda p, g, m, v, hp: backend.update("adam", [p], [g], [[m], [v]], hp), n=n,
+                        device=device)
+    return CheckResult(label, device, AGREEMENT_LABEL, a["max_in_eps"], a["identical"] == 1.0,
+                       bound=AGREEMENT_BOUND)
