@@ -3,6 +3,7 @@ skip parts of the report, the JSON report, exit statuses; and ``bench --plot`` w
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -260,3 +261,27 @@ def test_torch_result_of_the_agreement_is_torch_optim_adamw():
         tp.grad = g.clone()
         opt.step()
     assert not torch.equal(p0, theirs) and torch.equal(tp.detach(), theirs)
+
+
+def test_a_backend_that_raises_fails_its_cases_and_the_rest_still_runs(monkeypatch, capsys):
+    from mps_fused_adam import __main__ as cli
+    from mps_fused_adam import backends
+    orig = backends.CPUBackend.update
+
+    def explode_on_lion(self, rule, *args, **kwargs):
+        if rule == "lion":
+            raise RuntimeError("kernel exploded")
+        return orig(self, rule, *args, **kwargs)
+    monkeypatch.setattr(backends.CPUBackend, "update", explode_on_lion)
+    assert cli.main(["--check", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)  # the whole report, not a traceback
+    assert report["passed"] is False
+    rows = report["self_check"]
+    lion = [r for r in rows if r["backend"].startswith("_cpu (") and r["dtypes"].startswith("lion ")]
+    assert lion and all(not r["passed"] and r["error"] == "RuntimeError: kernel exploded" for r in lion)
+    others = [r for r in rows if r not in lion]
+    assert all(r["passed"] and r["error"] is None for r in others)
+    assert sum(r["backend"] == "foreach" for r in others) == 16  # the next backend was still checked
+    assert cli.main(["--check"]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"FAIL _cpu .* lion float32/float32 +raised RuntimeError: kernel exploded", out) and "self-check(s) FAILED" in out

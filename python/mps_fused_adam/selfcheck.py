@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -54,15 +54,25 @@ class CheckResult:
     exact_required: bool = False  # on CPU the README promises bit identity with the reference
     worst_of_update: float = 0.0  # worst max|ours - ref| / max|ref - start| over the tensors
     bound: float = 8.0  # on worst_in_eps where bit identity is not required
+    error: Optional[str] = None  # what the backend raised, if it did
 
     @property
     def passed(self) -> bool:
+        if self.error is not None:
+            return False
         if self.exact_required:
             return self.bit_exact
         # A NaN or infinite worst (a NaN on one side only, a code that differs) is a failure, not
         # a number that happens to compare false against the bound.
         return (math.isfinite(self.worst_in_eps) and self.worst_in_eps <= self.bound
                 and math.isfinite(self.worst_of_update) and self.worst_of_update <= UPDATE_BOUND)
+
+
+def _raised(label: str, device: str, dtypes: str, exc: Exception) -> CheckResult:
+    """A case whose backend raised: failed, with what it raised, so that the other cases and
+    backends are still checked and reported."""
+    return CheckResult(label, device, dtypes, math.inf, False, device == "cpu", math.inf,
+                       error=f"{type(exc).__name__}: {exc}")
 
 
 def _abs_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -93,27 +103,37 @@ def _hypers(rule: str, step: int, flag: bool) -> Any:
 
 
 def check_backend(backend: Any, device: str, label: str, n: int = 4099) -> Iterator[CheckResult]:
-    gen = torch.Generator().manual_seed(0)
-    for rule in RULES:
+    for i, rule in enumerate(RULES):
         nstates = len(RULES[rule].states)
-        for pd, sd in PAIRS:
-            ours_all, ref_all, start_all = [], [], []
-            for flag in (True, False):
-                base = [(torch.randn(n, generator=gen) * PARAM_SCALE).to(pd),
-                        (torch.randn(n, generator=gen) * 0.1).to(pd)]
-                base += [torch.zeros(n, dtype=sd) for _ in range(nstates)]
-                ref = [t.clone() for t in base]
-                ours = [t.to(device, copy=True) for t in base]  # a copy on CPU too: base is the start
-                for step in (1, 2, 3):
-                    hp = _hypers(rule, step, flag)
-                    backend.update(rule, [ours[0]], [ours[1]], [[t] for t in ours[2:]], hp)
-                    reference_step_(rule, ref[0], ref[1], ref[2:], hp)
-                ours_all += ours
-                ref_all += ref
-                start_all += base
-            worst, of_update, exact = _compare(ours_all, ref_all, start_all)
+        for j, (pd, sd) in enumerate(PAIRS):
             label_dtypes = f"{str(pd)[6:]}/{str(sd)[6:]}" if rule == "adam" else f"{rule} {str(pd)[6:]}/{str(sd)[6:]}"
+            # Inputs seeded per case: a case that raised halfway must not change the next one's.
+            gen = torch.Generator().manual_seed(100 * i + j)
+            try:
+                worst, of_update, exact = _check_case(backend, device, rule, nstates, pd, sd, n, gen)
+            except Exception as exc:
+                yield _raised(label, device, label_dtypes, exc)
+                continue
             yield CheckResult(label, device, label_dtypes, worst, exact, device == "cpu", of_update)
+
+
+def _check_case(backend: Any, device: str, rule: str, nstates: int, pd: torch.dtype, sd: torch.dtype, n: int,
+                gen: torch.Generator) -> tuple[float, float, bool]:
+    """One rule and dtype pair, three steps in each mode: :func:`_compare`'s figures."""
+    ours_all, ref_all, start_all = [], [], []
+    for flag in (True, False):
+        base = [(torch.randn(n, generator=gen) * PARAM_SCALE).to(pd), (torch.randn(n, generator=gen) * 0.1).to(pd)]
+        base += [torch.zeros(n, dtype=sd) for _ in range(nstates)]
+        ref = [t.clone() for t in base]
+        ours = [t.to(device, copy=True) for t in base]  # a copy on CPU too: base is the start
+        for step in (1, 2, 3):
+            hp = _hypers(rule, step, flag)
+            backend.update(rule, [ours[0]], [ours[1]], [[t] for t in ours[2:]], hp)
+            reference_step_(rule, ref[0], ref[1], ref[2:], hp)
+        ours_all += ours
+        ref_all += ref
+        start_all += base
+    return _compare(ours_all, ref_all, start_all)
 
 
 def _compare(ours: list[torch.Tensor], ref: list[torch.Tensor],
@@ -180,19 +200,27 @@ def check_lowbit(adam8bit: Callable[..., None], adam_sr: Callable[..., None], de
     exactly; params and moments as in :func:`check_backend`."""
     q8, sr = _lowbit_cases(n)
     for p, st, grads, keys, ref in q8:
-        ours_p, ours_st = p.clone().to(device), {k: t.clone().to(device) for k, t in st.items()}
-        for step, g, key in zip((1, 2, 3), grads, keys):
-            adam8bit(ours_p, g.to(device), ours_st, _hypers("adam", step, True), key)
-        worst, of_update, exact = _compare([ours_p, *ours_st.values()], ref, [p, *st.values()])
-        yield CheckResult(label, device, f"adam8bit {str(p.dtype)[6:]}/uint8", worst, exact, device == "cpu",
-                          of_update)
+        dtypes = f"adam8bit {str(p.dtype)[6:]}/uint8"
+        try:
+            ours_p, ours_st = p.clone().to(device), {k: t.clone().to(device) for k, t in st.items()}
+            for step, g, key in zip((1, 2, 3), grads, keys):
+                adam8bit(ours_p, g.to(device), ours_st, _hypers("adam", step, True), key)
+            worst, of_update, exact = _compare([ours_p, *ours_st.values()], ref, [p, *st.values()])
+        except Exception as exc:
+            yield _raised(label, device, dtypes, exc)
+            continue
+        yield CheckResult(label, device, dtypes, worst, exact, device == "cpu", of_update)
     for base, grads, keys, ref in sr:
-        ours = [t.clone().to(device) for t in base]
-        for step, g, key in zip((1, 2, 3), grads, keys):
-            adam_sr(ours[0], g.to(device), ours[1], ours[2], _hypers("adam", step, step != 2), key)
-        worst, of_update, exact = _compare(ours, ref, base)
-        yield CheckResult(label, device, f"adam-sr bfloat16/{str(base[1].dtype)[6:]}", worst, exact,
-                          device == "cpu", of_update)
+        dtypes = f"adam-sr bfloat16/{str(base[1].dtype)[6:]}"
+        try:
+            ours = [t.clone().to(device) for t in base]
+            for step, g, key in zip((1, 2, 3), grads, keys):
+                adam_sr(ours[0], g.to(device), ours[1], ours[2], _hypers("adam", step, step != 2), key)
+            worst, of_update, exact = _compare(ours, ref, base)
+        except Exception as exc:
+            yield _raised(label, device, dtypes, exc)
+            continue
+        yield CheckResult(label, device, dtypes, worst, exact, device == "cpu", of_update)
 
 
 def _cpu_lowbit(cpu: Any) -> tuple[Callable[..., None], Callable[..., None]]:
@@ -307,7 +335,10 @@ def torch_agreement(step_fn: Callable[..., None] | None = None, steps: int = 100
 def check_agreement(backend: Any, device: str, label: str, n: int = 20_000) -> CheckResult:
     """:func:`torch_agreement` through ``backend`` as one self-check case (100 steps of ``n`` fp32
     params; 20K keeps it to a tenth of a second on CPU)."""
-    a = torch_agreement(lambda p, g, m, v, hp: backend.update("adam", [p], [g], [[m], [v]], hp), n=n,
-                        device=device)
+    try:
+        a = torch_agreement(lambda p, g, m, v, hp: backend.update("adam", [p], [g], [[m], [v]], hp), n=n,
+                            device=device)
+    except Exception as exc:
+        return _raised(label, device, AGREEMENT_LABEL, exc)
     return CheckResult(label, device, AGREEMENT_LABEL, a["max_in_eps"], a["identical"] == 1.0,
                        bound=AGREEMENT_BOUND)
