@@ -285,3 +285,20 @@ def test_a_backend_that_raises_fails_its_cases_and_the_rest_still_runs(monkeypat
     assert cli.main(["--check"]) == 1
     out = capsys.readouterr().out
     assert re.search(r"FAIL _cpu .* lion float32/float32 +raised RuntimeError: kernel exploded", out) and "self-check(s) FAILED" in out
+
+
+def test_benchmark_without_the_compiled_cpu_kernel_leaves_the_floor_out(monkeypatch, capsys):
+    """An install whose _cpu extension did not load (the CPU backend is then foreach): the floor
+    runs in that extension, so the benchmark leaves it out and says so instead of crashing."""
+    from mps_fused_adam import __main__ as cli
+    from mps_fused_adam import backends, bench
+    monkeypatch.setitem(sys.modules, "mps_fused_adam._cpu", None)  # import now raises ImportError
+    monkeypatch.setitem(backends._chosen, "cpu", backends.ForeachBackend())
+    monkeypatch.setattr(bench, "QUICK", dict(flat=4096, many=(4, 1024), repeats=3, foreach=False))
+    rows = cli.benchmark(echo=True)
+    out = capsys.readouterr().out
+    assert "memory floor left out" in out and "'foreach'" in out
+    assert len(rows) == 2 * (2 + 2 + 1)  # two shapes; ours and torch fused, ours alone for fp32 states
+    assert {r["contender"] for r in rows} == {"ours", "torch fused"} and all(r["of_floor"] is None for r in rows)
+    lines = bench.summary([bench.Row(**r) for r in rows])[2:]
+    assert len(lines) == 6 and all(line.endswith("| - |") for line in lines)

@@ -106,6 +106,8 @@ def benchmark(echo: bool) -> list[dict[str, Any]]:
     if echo:
         print("Short benchmark (python -m mps_fused_adam.bench for the full one):")
         print(bench.SPREAD_NOTE)
+        if not bench.floor_available():
+            print(bench.floor_missing_note())
         print(bench.HEADER)
         print("|---|---|---|---|---|---|---|---|")
     rows = bench.cpu_section(thread_counts=[torch.get_num_threads()], deepspeed=False, echo=echo, **bench.QUICK)

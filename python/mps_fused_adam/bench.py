@@ -56,6 +56,18 @@ def _params(count: int, size: int, dtype: torch.dtype) -> list[torch.nn.Paramete
     return params
 
 
+def floor_available() -> bool:
+    """The memory floor runs in the compiled CPU kernel's span loop (``_cpu``): where that did
+    not load (the CPU backend is then the foreach tier), there is no floor to run."""
+    from .backends import get_backend
+    return get_backend("cpu").name == "cpu"
+
+
+def floor_missing_note() -> str:
+    return (f"memory floor left out: it runs in the compiled CPU kernel, and the CPU backend here is "
+            f"{backend_info()['cpu']['backend']!r} (backend_info() says why)")
+
+
 def _floor_fn(params, states: list[list[torch.Tensor]], pdtype: torch.dtype, sdtype: torch.dtype,
               rule: str = "floor") -> Callable[[], None]:
     """The memory floor on the very tensors the optimizers use (``params``, their grads and
@@ -93,8 +105,9 @@ def _contenders(params, pdtype, sdtype, deepspeed: bool, foreach: bool = True) -
     ours = CPUAdam(params, fp32_optimizer_states=True) if sdtype != pdtype else AdamW(params, weight_decay=0.01)
     ours.step()  # makes the moments the others then share
     moments = {name: [ours.state[p][name] for p in params] for name in ("exp_avg", "exp_avg_sq")}
-    found: dict[str, Callable[[], None]] = {OURS: ours.step,
-                                            FLOOR: _floor_fn(params, list(moments.values()), pdtype, sdtype)}
+    found: dict[str, Callable[[], None]] = {OURS: ours.step}
+    if floor_available():
+        found[FLOOR] = _floor_fn(params, list(moments.values()), pdtype, sdtype)
     others: dict[str, torch.optim.Optimizer] = {}
     if sdtype == pdtype:  # torch keeps moments in the param dtype only
         others["torch fused"] = torch.optim.AdamW(params, weight_decay=0.01, fused=True)
@@ -129,13 +142,15 @@ def summary(rows: list[Row]) -> list[str]:
     cases = list(dict.fromkeys((r.case, r.dtypes, r.threads) for r in rows))
     for case in cases:
         by = {r.contender: r for r in rows if (r.case, r.dtypes, r.threads) == case}
-        ours, floor = by[OURS], by[FLOOR]
+        ours, floor = by[OURS], by.get(FLOOR)
         others = [r for name, r in by.items() if name not in (OURS, FLOOR)]
         best = min(others, key=lambda r: r.ns_per_elem) if others else None
         best_cells = (f"{best.contender} | {best.ns_per_elem:.3f} | {best.ns_per_elem / ours.ns_per_elem:.2f}x"
                       if best else "(none) | - | -")
-        of_floor = ours.of_floor if ours.of_floor is not None else floor.ns_per_elem / ours.ns_per_elem
-        lines.append(f"| {case[0]} | {case[1]} | {case[2]} | {ours.ns_per_elem:.3f} | {best_cells} | {of_floor:.2f} |")
+        of_floor = (ours.of_floor if ours.of_floor is not None else
+                    floor.ns_per_elem / ours.ns_per_elem if floor is not None else None)
+        floor_cell = "-" if of_floor is None else f"{of_floor:.2f}"
+        lines.append(f"| {case[0]} | {case[1]} | {case[2]} | {ours.ns_per_elem:.3f} | {best_cells} | {floor_cell} |")
     return lines
 
 
@@ -160,7 +175,7 @@ def cpu_section(flat: int, many: tuple[int, int], thread_counts: list[int], repe
                         vs_torch = ratio_spread(rounds["torch fused"], ts) if "torch fused" in rounds else None
                         rows.append(Row(case, label, threads, name, secs / numel * 1e9,
                                         bytes_per_elem(pd, sd) * numel / secs / 1e9,
-                                        ratio_spread(rounds["floor"], ts)[0],
+                                        ratio_spread(rounds[FLOOR], ts)[0] if FLOOR in rounds else None,
                                         vs_torch and vs_torch[0], vs_torch and vs_torch[1:]))
                     if echo:
                         _print_rows(rows[-len(rounds):])
@@ -274,9 +289,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows: list[Row] = []
     if not args.mps_only:
         info = backend_info()["cpu"]
-        from . import _cpu
-        print(f"CPU backend: {info['backend']} ({info.get('simd', '-')}, threads: {_cpu.thread_pool()}), "
+        pool = "-"
+        if floor_available():
+            from . import _cpu
+            pool = _cpu.thread_pool()
+        print(f"CPU backend: {info['backend']} ({info.get('simd', '-')}, threads: {pool}), "
               f"torch {torch.__version__}, {all_threads} CPUs, load average {os.getloadavg()[0]:.1f}")
+        if not floor_available():
+            print(floor_missing_note())
         print(SPREAD_NOTE)
         print(HEADER)
         print("|---|---|---|---|---|---|---|---|")
