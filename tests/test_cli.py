@@ -302,3 +302,28 @@ def test_benchmark_without_the_compiled_cpu_kernel_leaves_the_floor_out(monkeypa
     assert {r["contender"] for r in rows} == {"ours", "torch fused"} and all(r["of_floor"] is None for r in rows)
     lines = bench.summary([bench.Row(**r) for r in rows])[2:]
     assert len(lines) == 6 and all(line.endswith("| - |") for line in lines)
+
+
+def _strict_json(text: str):
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_has_no_infinity_when_a_code_differs(monkeypatch, capsys):
+    """An 8-bit kernel storing one wrong code is infinitely wrong; --json printed that as
+    ``Infinity``, which JSON parsers other than Python's reject. It is null now."""
+    from mps_fused_adam import __main__ as cli
+    from mps_fused_adam import optim8bit
+    orig = optim8bit._cpu_adam8bit
+
+    def one_wrong_code(p, g, st, hp, key):
+        orig(p, g, st, hp, key)
+        st["exp_avg_codes"][3] ^= 1
+    monkeypatch.setattr(optim8bit, "_cpu_adam8bit", one_wrong_code)
+    assert cli.main(["--check", "--json"]) == 1
+    report = _strict_json(capsys.readouterr().out)
+    bad = [r for r in report["self_check"] if not r["passed"]]
+    assert bad and all(r["dtypes"].startswith("adam8bit ") for r in bad)
+    # Where the flipped code survives to the end it is infinitely wrong (fp16 re-quantizes it away).
+    assert sum(r["worst_in_eps"] is None and r["worst_of_update"] is None for r in bad) >= 2

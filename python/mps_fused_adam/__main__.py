@@ -117,6 +117,18 @@ def benchmark(echo: bool) -> list[dict[str, Any]]:
     return [asdict(r) for r in rows]
 
 
+def _json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float as None: json.dump writes them as ``Infinity`` and
+    ``NaN``, which are not JSON (a failed check's worst difference is infinite)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     text = not args.json
@@ -145,7 +157,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print()
         report["benchmark"] = benchmark(echo=text)
     if args.json:
-        json.dump(report, sys.stdout, indent=1)
+        json.dump(_json_safe(report), sys.stdout, indent=1, allow_nan=False)
         print()
     return EXIT_CHECK_FAILED if failed else EXIT_OK
 
