@@ -60,8 +60,9 @@ def test_check_only_json():
     assert set(report) == {"self_check", "passed"} and report["passed"] is True
     from mps_fused_adam.selfcheck import AGREEMENT_BOUND, AGREEMENT_LABEL, PAIRS
     cpu_paths = [r for r in report["self_check"] if r["backend"].startswith("_cpu (")]
-    # Adam, Lion, Adagrad per dtype pair; 8-bit Adam x 3, stochastic rounding x 2; torch.optim.AdamW
-    per_path = len(PAIRS) * 3 + 5 + 1
+    # Adam, Lion, Adagrad per dtype pair; 8-bit Adam x 3, stochastic rounding x 2; several tensors
+    # in one call; torch.optim.AdamW
+    per_path = len(PAIRS) * 3 + 5 + 1 + 1
     assert cpu_paths and len(cpu_paths) % per_path == 0
     paths = len(cpu_paths) // per_path
     assert sum(r["dtypes"].startswith(("adam8bit ", "adam-sr ")) for r in cpu_paths) == 5 * paths
@@ -327,3 +328,24 @@ def test_json_has_no_infinity_when_a_code_differs(monkeypatch, capsys):
     assert bad and all(r["dtypes"].startswith("adam8bit ") for r in bad)
     # Where the flipped code survives to the end it is infinitely wrong (fp16 re-quantizes it away).
     assert sum(r["worst_in_eps"] is None and r["worst_of_update"] is None for r in bad) >= 2
+
+
+def test_a_backend_that_drops_all_but_the_first_tensor_of_a_call_fails(monkeypatch, capsys):
+    """Every case used to hand the backend one tensor of 4099 elements per call: one thread of
+    the CPU kernel, one tensor. A bug in the later tensors of a call went unseen."""
+    from mps_fused_adam import __main__ as cli
+    from mps_fused_adam import backends
+    orig = backends.CPUBackend.update
+
+    def first_only(self, rule, params, grads, states, hp, sr_keys=None):
+        orig(self, rule, params[:1], grads[:1], [s[:1] for s in states], hp, None if sr_keys is None else sr_keys[:1])
+    monkeypatch.setattr(backends.CPUBackend, "update", first_only)
+    assert cli.main(["--check", "--json"]) == 1
+    failed = [r for r in _strict_json(capsys.readouterr().out)["self_check"] if not r["passed"]]
+    from mps_fused_adam.selfcheck import many_sizes
+    sizes = many_sizes(torch.get_num_threads())
+    assert failed and all(r["backend"].startswith("_cpu (") and r["dtypes"].startswith(f"{len(sizes)} tensors, ")
+                          for r in failed)
+    # What the case covers: more than two minimum spans (32768 elements) per thread, tensor ends off
+    # the kernel's 64-element thread boundaries.
+    assert sum(sizes) > 2 * 32768 * torch.get_num_threads() and all(n % 64 for n in sizes) and len(sizes) > 1

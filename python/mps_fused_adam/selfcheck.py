@@ -159,6 +159,53 @@ def _compare(ours: list[torch.Tensor], ref: list[torch.Tensor],
     return worst, of_update, exact
 
 
+def many_sizes(threads: int, count: int = 5) -> list[int]:
+    """Sizes of the several-tensor case: none a multiple of 64, together more than twice
+    ``32768 * threads`` elements. The CPU kernel gives each thread at least 32768 elements
+    (src/cpu/step.cpp, ``kMinElementsPerThread``) at boundaries on multiples of 64, so below that
+    a call runs on fewer threads, and with sizes off the 64 grid tensor ends fall inside a thread's
+    range: the 4099-element cases run on one thread and never reach the split."""
+    base = (2 * 32768 * max(threads, 1) + 4099) // count
+    return [size + 1 if size % 64 == 0 else size for size in (base + 37 * i for i in range(count))]
+
+
+@lru_cache(maxsize=2)
+def _many_case(threads: int) -> tuple:
+    """Start (params, grads, states) and the reference after three Adam steps, for
+    :func:`check_many`: made once for every backend checked."""
+    gen = torch.Generator().manual_seed(2)
+    sizes = many_sizes(threads)
+    params = [(torch.randn(n, generator=gen) * PARAM_SCALE).bfloat16() for n in sizes]
+    grads = [(torch.randn(n, generator=gen) * 0.1).bfloat16() for n in sizes]
+    states = [[torch.zeros(n) for n in sizes] for _ in range(2)]
+    ref = [[t.clone() for t in params], [[t.clone() for t in ts] for ts in states]]
+    for step in (1, 2, 3):
+        for i, g in enumerate(grads):
+            reference_adam_(ref[0][i], g, ref[1][0][i], ref[1][1][i], _hypers("adam", step, True))
+    return params, grads, states, ref
+
+
+def check_many(backend: Any, device: str, label: str) -> CheckResult:
+    """Adam (bf16 params, fp32 states) on several tensors in one call, enough elements to use
+    every thread of the CPU kernel (:func:`many_sizes`), three steps, judged as
+    :func:`check_backend` judges."""
+    threads = torch.get_num_threads()
+    params, grads, states, ref = _many_case(threads)
+    dtypes = f"{len(params)} tensors, {sum(p.numel() for p in params)} elements, bfloat16/float32"
+    try:
+        ours = [t.to(device, copy=True) for t in params]
+        ours_states = [[t.to(device, copy=True) for t in ts] for ts in states]
+        ours_grads = [g.to(device) for g in grads]
+        for step in (1, 2, 3):
+            backend.update("adam", ours, ours_grads, ours_states, _hypers("adam", step, True))
+        worst, of_update, exact = _compare([*ours, *ours_states[0], *ours_states[1]],
+                                           [*ref[0], *ref[1][0], *ref[1][1]],
+                                           [*params, *states[0], *states[1]])
+    except Exception as exc:
+        return _raised(label, device, dtypes, exc)
+    return CheckResult(label, device, dtypes, worst, exact, device == "cpu", of_update)
+
+
 @lru_cache(maxsize=2)
 def _lowbit_cases(n: int) -> tuple:
     """The low-bit checks' inputs and reference results, made once for every backend checked:
@@ -247,10 +294,12 @@ def all_checks() -> Iterator[CheckResult]:
                 _cpu.set_simd_path(path)
                 yield from check_backend(cpu, "cpu", f"_cpu ({path})")
                 yield from check_lowbit(*_cpu_lowbit(cpu), "cpu", f"_cpu ({path})")
+                yield check_many(cpu, "cpu", f"_cpu ({path})")
                 yield check_agreement(cpu, "cpu", f"_cpu ({path})")
         finally:
             _cpu.set_simd_path(before)
     yield from check_backend(ForeachBackend(), "cpu", "foreach")
+    yield check_many(ForeachBackend(), "cpu", "foreach")
     yield check_agreement(ForeachBackend(), "cpu", "foreach")
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         from .mps_backends import mps_tiers
@@ -261,8 +310,10 @@ def all_checks() -> Iterator[CheckResult]:
                 continue
             yield from check_backend(backend, "mps", label)
             yield from check_lowbit(*_metal_lowbit(backend), "mps", label)
+            yield check_many(backend, "mps", label)
             yield check_agreement(backend, "mps", label)
         yield from check_backend(ForeachBackend(), "mps", "foreach")
+        yield check_many(ForeachBackend(), "mps", "foreach")
         yield check_agreement(ForeachBackend(), "mps", "foreach")
 
 
