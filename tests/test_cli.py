@@ -349,3 +349,42 @@ def test_a_backend_that_drops_all_but_the_first_tensor_of_a_call_fails(monkeypat
     # What the case covers: more than two minimum spans (32768 elements) per thread, tensor ends off
     # the kernel's 64-element thread boundaries.
     assert sum(sizes) > 2 * 32768 * torch.get_num_threads() and all(n % 64 for n in sizes) and len(sizes) > 1
+
+
+@pytest.mark.parametrize("module", ["bench", "bench_rules"])
+@pytest.mark.parametrize("argv, message", [
+    (["--threads", "0"], "argument --threads: must be at least 1, got 0"),
+    (["--threads", "2", "-2"], "argument --threads: must be at least 1, got -2"),
+    (["--threads", "two"], "argument --threads: 'two' is not a whole number"),
+    (["--repeats", "-1"], "argument --repeats: must be at least 1, got -1"),
+    (["--repeats", "0"], "argument --repeats: must be at least 1, got 0"),  # was silently ignored
+])
+def test_bench_rejects_thread_counts_and_rounds_below_one(module, argv, message, monkeypatch, capsys):
+    import importlib
+    bench = importlib.import_module(f"mps_fused_adam.{module}")
+
+    def must_not_run(*a, **k):
+        raise AssertionError("the benchmark ran")
+    monkeypatch.setattr(bench, "cpu_section" if module == "bench" else "rules_section", must_not_run)
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--quick", *argv])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", ["bench", "bench_rules"])
+def test_bench_repeats_reach_the_run(module, monkeypatch):
+    import importlib
+    bench = importlib.import_module(f"mps_fused_adam.{module}")
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def record(*args, **kwargs):
+        seen["repeats"] = kwargs["repeats"] if module == "bench" else args[4]
+        seen["threads"] = kwargs["thread_counts"] if module == "bench" else args[3]
+        raise Stop
+    monkeypatch.setattr(bench, "cpu_section" if module == "bench" else "rules_section", record)
+    with pytest.raises(Stop):
+        bench.main(["--quick", "--repeats", "1", "--threads", "1", "3"])
+    assert seen == {"repeats": 1, "threads": [1, 3]}

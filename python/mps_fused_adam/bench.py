@@ -256,6 +256,18 @@ def noise_note(rows: list[Row], tolerance: float = 0.05) -> Optional[str]:
             "drawing conclusions")
 
 
+def positive_int(text: str) -> int:
+    """argparse type for thread counts and rounds: 0 or a negative number used to fail minutes
+    into the run (or, for --repeats 0, be ignored)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _require_matplotlib() -> None:
     """``--plot`` needs matplotlib: say so before minutes of benchmarking, not after."""
     try:
@@ -271,8 +283,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--no-deepspeed", action="store_true",
                     help="leave DeepSpeedCPUAdam out (otherwise included when importable; JIT-builds on first use)")
     ap.add_argument("--deepspeed", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
-    ap.add_argument("--threads", type=int, nargs="*", help="thread counts, e.g. --threads 1 4 16 (default: 1 and all)")
-    ap.add_argument("--repeats", type=int, help="interleaved rounds per case")
+    ap.add_argument("--threads", type=positive_int, nargs="*",
+                    help="thread counts, e.g. --threads 1 4 16 (default: 1 and all)")
+    ap.add_argument("--repeats", type=positive_int, help="interleaved rounds per case")
     ap.add_argument("--plot", metavar="PNG", help="write a bar chart (needs matplotlib: the 'bench' extra)")
     ap.add_argument("--mps-only", action="store_true", help="run only the MPS section")
     ap.add_argument("--no-mps", action="store_true", help="skip the MPS section")
@@ -301,7 +314,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(HEADER)
         print("|---|---|---|---|---|---|---|---|")
         size = dict(QUICK if args.quick else FULL)
-        if args.repeats:
+        if args.repeats is not None:
             size["repeats"] = args.repeats
         rows = cpu_section(thread_counts=threads, deepspeed=not args.no_deepspeed, **size)
         note = noise_note(rows)

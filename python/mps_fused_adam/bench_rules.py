@@ -20,7 +20,7 @@ import torch
 from . import Adagrad, Lion, backend_info
 from .backends import get_backend
 from .bench import (DTYPE_CASES, HEADER, Row, _floor_fn, _params, _print_rows, floor_available, floor_missing_note,
-                    share_states)
+                    positive_int, share_states)
 from .contract import RULES, AdagradHyper, LionHyper
 from .timing import bytes_per_elem, interleaved
 
@@ -95,8 +95,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, few repeats")
     ap.add_argument("--rules", nargs="*", default=["lion", "adagrad"], choices=["lion", "adagrad"])
-    ap.add_argument("--threads", type=int, nargs="*", help="thread counts (default: 1 and all)")
-    ap.add_argument("--repeats", type=int, help="interleaved rounds per case")
+    ap.add_argument("--threads", type=positive_int, nargs="*", help="thread counts (default: 1 and all)")
+    ap.add_argument("--repeats", type=positive_int, help="interleaved rounds per case")
     args = ap.parse_args(argv)
     all_threads = os.cpu_count() or 1
     threads = args.threads or sorted({1, all_threads})
@@ -108,7 +108,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(HEADER)
     print("|---|---|---|---|---|---|---|---|")
     flat, many, repeats = (8 * 2**20, (128, 65536), 3) if args.quick else (64 * 2**20, (1000, 65536), 7)
-    rules_section(args.rules, flat, many, threads, args.repeats or repeats)
+    rules_section(args.rules, flat, many, threads, args.repeats if args.repeats is not None else repeats)
     return 0
 
 
