@@ -388,3 +388,55 @@ def test_bench_repeats_reach_the_run(module, monkeypatch):
     with pytest.raises(Stop):
         bench.main(["--quick", "--repeats", "1", "--threads", "1", "3"])
     assert seen == {"repeats": 1, "threads": [1, 3]}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mps-only", "--no-mps"], "--mps-only and --no-mps leave nothing to run"),
+    (["--mps-only", "--plot", "out.png"], "--plot applies to the CPU section, which --mps-only leaves out"),
+    (["--mps-only", "--threads", "2"], "--threads applies to the CPU section, which --mps-only leaves out"),
+    (["--overhead", "--threads", "2"], "--threads does not apply to --overhead"),
+    (["--overhead", "--plot", "out.png"], "--plot does not apply to --overhead"),
+    (["--overhead", "--no-mps"], "--no-mps does not apply to --overhead"),
+])
+def test_bench_rejects_options_the_chosen_section_would_ignore(argv, message, monkeypatch, capsys):
+    from mps_fused_adam import bench, bench_mps, bench_overhead
+
+    def must_not_run(*a, **k):
+        raise AssertionError("a section ran")
+    for module, name in ((bench, "cpu_section"), (bench_mps, "mps_benchmark_section"),
+                         (bench_overhead, "overhead_section")):
+        monkeypatch.setattr(module, name, must_not_run)
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module, section, argv, expected", [
+    ("bench_overhead", "overhead_section", [], {}),
+    ("bench_overhead", "overhead_section", ["--quick"], {"repeats": 30}),
+    ("bench_overhead", "overhead_section", ["--repeats", "5"], {"repeats": 5}),
+    ("bench_mps", "mps_benchmark_section", [], {}),
+    ("bench_mps", "mps_benchmark_section", ["--quick", "--repeats", "2"], {"numel": 8 * 2**20, "repeats": 2}),
+])
+def test_python_m_bench_mps_and_bench_overhead_run_their_section(module, section, argv, expected, monkeypatch):
+    """``python -m mps_fused_adam.bench_mps`` and ``.bench_overhead`` used to print nothing and
+    exit 0; they run their section of the benchmark now, with --repeats honoured."""
+    import importlib
+    import runpy
+    mod = importlib.import_module(f"mps_fused_adam.{module}")
+    seen = []
+    monkeypatch.setattr(mod, section, lambda **kwargs: seen.append(kwargs) or [])
+    monkeypatch.setattr(sys, "argv", [module, *argv])
+    with pytest.warns(RuntimeWarning, match="found in sys.modules"):  # runpy: it is imported already
+        with pytest.raises(SystemExit) as exit_:
+            runpy.run_module(f"mps_fused_adam.{module}", run_name="__main__")
+    assert exit_.value.code == 0 and seen == [expected]
+
+
+def test_python_m_bench_mps_says_there_is_no_mps_device():
+    run = subprocess.run([sys.executable, "-m", "mps_fused_adam.bench_mps"], capture_output=True, text=True,
+                         timeout=120)
+    import torch
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        pytest.skip("an MPS device is here: the section would run in full")
+    assert run.returncode == 0 and "no MPS device" in run.stdout, run.stdout + run.stderr

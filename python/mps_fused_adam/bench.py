@@ -291,11 +291,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--no-mps", action="store_true", help="skip the MPS section")
     ap.add_argument("--overhead", action="store_true", help="only the per-tensor cost of the step path (bench_overhead)")
     args = ap.parse_args(argv)
+    # Options that a chosen section would ignore are usage errors: each used to run and exit 0
+    # having silently done less than asked (--mps-only --no-mps ran nothing at all).
+    if args.mps_only and args.no_mps:
+        ap.error("--mps-only and --no-mps leave nothing to run")
+    if args.overhead:
+        for given, name in ((args.threads is not None, "--threads"), (args.plot, "--plot"),
+                            (args.mps_only, "--mps-only"), (args.no_mps, "--no-mps")):
+            if given:
+                ap.error(f"{name} does not apply to --overhead (it takes --quick and --repeats)")
+    elif args.mps_only:
+        for given, name in ((args.threads is not None, "--threads"), (args.plot, "--plot")):
+            if given:
+                ap.error(f"{name} applies to the CPU section, which --mps-only leaves out")
     if args.plot:
         _require_matplotlib()
     if args.overhead:
         from .bench_overhead import overhead_section
-        overhead_section(**({"repeats": 30} if args.quick else {}))
+        repeats = args.repeats if args.repeats is not None else 30 if args.quick else None
+        overhead_section(**({} if repeats is None else {"repeats": repeats}))
         return 0
     all_threads = os.cpu_count() or 1
     threads = args.threads or sorted({1, all_threads})
@@ -333,7 +347,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not args.no_mps:
         from .bench_mps import mps_benchmark_section
         print()
-        mps_benchmark_section(**({"numel": 8 * 2**20, "repeats": 3} if args.quick else {}))
+        size = {"numel": 8 * 2**20, "repeats": 3} if args.quick else {}
+        if args.repeats is not None:
+            size["repeats"] = args.repeats
+        mps_benchmark_section(**size)
     return 0
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import sys
 import time
 from typing import Any, Callable, Iterator
 
@@ -148,3 +149,8 @@ def overhead_section(count: int = 1000, size: int = 16, repeats: int = 200) -> l
                 print(f"| {label} | {tier} | | {row['fastest_us']:.2f} | {row['median_cpu_us']:.2f} |", flush=True)
             rows.append(row)
     return rows
+
+
+if __name__ == "__main__":  # the options live in one place: python -m mps_fused_adam.bench --overhead
+    from .bench import main
+    sys.exit(main(["--overhead", *sys.argv[1:]]))
