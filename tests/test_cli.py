@@ -440,3 +440,37 @@ def test_python_m_bench_mps_says_there_is_no_mps_device():
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         pytest.skip("an MPS device is here: the section would run in full")
     assert run.returncode == 0 and "no MPS device" in run.stdout, run.stdout + run.stderr
+
+
+_ENV_PROBE = """
+import warnings
+warnings.simplefilter("always")
+import torch, mps_fused_adam as mfa
+p = torch.nn.Parameter(torch.randn(4)); o = mfa.AdamW([p])
+for _ in range(3):
+    p.grad = torch.randn(4); o.step()
+from mps_fused_adam import _cpu
+print("POOL", _cpu.thread_pool())
+"""
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("MPS_FUSED_ADAM_POOL", "Own", "MPS_FUSED_ADAM_POOL='Own' is not recognised (the only value is 'own'); "
+                                   "using the default"),
+    ("MPS_FUSED_ADAM_TENSOR_HANDLES", "off", "MPS_FUSED_ADAM_TENSOR_HANDLES='off' is not 0 or 1; using the "
+                                             "tensor handles"),
+    ("MPS_FUSED_ADAM_POOL", "own", None),
+    ("MPS_FUSED_ADAM_TENSOR_HANDLES", "0", None),
+])
+def test_unrecognised_env_values_warn_once(name, value, message):
+    """Both variables used to take any other value silently, as the default; now they say so, once
+    (as MPS_FUSED_ADAM_SIMD and _PREFETCH do), and the recognised values stay quiet."""
+    import os
+    env = dict(os.environ, **{name: value})
+    run = subprocess.run([sys.executable, "-c", _ENV_PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    warned = [line for line in run.stderr.splitlines() if "RuntimeWarning" in line and name in line]
+    if message is None:
+        assert warned == [], run.stderr
+    else:
+        assert len(warned) == 1 and message in warned[0], run.stderr
