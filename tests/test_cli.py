@@ -474,3 +474,42 @@ def test_unrecognised_env_values_warn_once(name, value, message):
         assert warned == [], run.stderr
     else:
         assert len(warned) == 1 and message in warned[0], run.stderr
+
+
+def test_bench_rules_reports_speed_against_torch_fused_where_it_runs(monkeypatch, capsys):
+    """torch's fused Adagrad is a contender, yet the column was always '-'."""
+    from mps_fused_adam import bench_rules
+    monkeypatch.setattr(bench_rules, "_contenders", lambda rule, params, pd, sd: {})
+    monkeypatch.setattr(bench_rules, "interleaved", lambda contenders, repeats: {
+        "ours": 1.0, "floor": 0.5, "torch foreach": 8.0, "torch fused": 2.5})
+    rows = bench_rules.rules_section(["adagrad"], 64, (2, 64), [1], 1)
+    ours = [r for r in rows if r.contender == "ours"]
+    assert len(ours) == 6 and all(r.vs_torch_fused == 2.5 and r.of_floor == 0.5 for r in ours)
+    assert [r.vs_torch_fused for r in rows if r.contender == "torch foreach"][0] == 2.5 / 8.0
+    assert "| 0.50 | 2.50x |" in capsys.readouterr().out
+
+
+def test_spread_note_says_min_and_max_below_four_rounds():
+    from mps_fused_adam.bench import SPREAD_NOTE, spread_note
+    from mps_fused_adam.timing import ratio_spread
+    assert spread_note(4) == SPREAD_NOTE and "middle half" in SPREAD_NOTE
+    assert "lowest and highest of those ratios (only 3 rounds: no quartiles)" in spread_note(3)
+    assert ratio_spread([2.0, 2.0, 2.0], [1.0, 4.0, 2.5]) == (0.8, 0.5, 2.0)  # median, min, max
+
+
+def test_json_carries_the_benchmark_notes_and_warnings(monkeypatch, capsys):
+    """--json readers saw neither the busy-machine note nor a warning such as the SIMD fallback."""
+    from mps_fused_adam import __main__ as cli
+    from mps_fused_adam import backends, bench
+    monkeypatch.setattr(bench, "QUICK", dict(flat=4096, many=(4, 1024), repeats=3, foreach=False))
+    monkeypatch.setattr(bench, "noise_note", lambda rows: "note: ratios moved by up to +-40%")
+    monkeypatch.setenv("MPS_FUSED_ADAM_SIMD", "neon" if "neon" not in backends.get_backend("cpu")._cpu.simd_paths()
+                       else "avx2")
+    monkeypatch.delitem(backends._chosen, "cpu")  # chosen again, in the command: the warning comes then
+    monkeypatch.setattr(cli, "self_check", lambda echo: [])  # checked elsewhere; keeps this test short
+    assert cli.main(["--json"]) == 0
+    captured = capsys.readouterr()
+    report = _strict_json(captured.out)
+    assert report["benchmark_notes"][0].startswith("speed vs torch fused") and "only 3 rounds" in report["benchmark_notes"][0]
+    assert report["benchmark_notes"][1:] == ["note: ratios moved by up to +-40%"]
+    assert any("MPS_FUSED_ADAM_SIMD=" in w and "is not supported on this CPU" in w for w in report["warnings"])

@@ -244,6 +244,15 @@ SPREAD_NOTE = ("speed vs torch fused: the median of the ratios taken round by ro
                "half of those ratios (how much one round moves on this machine); above 1 is faster than torch")
 
 
+def spread_note(repeats: int) -> str:
+    """SPREAD_NOTE for a run of ``repeats`` rounds: with fewer than 4 there are no quartiles, and
+    the brackets hold the lowest and the highest ratio instead (timing.ratio_spread)."""
+    if repeats >= 4:
+        return SPREAD_NOTE
+    return SPREAD_NOTE.replace("the middle half of those ratios",
+                               f"the lowest and highest of those ratios (only {repeats} rounds: no quartiles)")
+
+
 def noise_note(rows: list[Row], tolerance: float = 0.05) -> Optional[str]:
     """A warning when round-to-round ratios moved more than ``tolerance`` either way in this run
     (a busy machine): then one run's ratios say little, and the note says so."""
@@ -324,12 +333,12 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"torch {torch.__version__}, {all_threads} CPUs, load average {os.getloadavg()[0]:.1f}")
         if not floor_available():
             print(floor_missing_note())
-        print(SPREAD_NOTE)
-        print(HEADER)
-        print("|---|---|---|---|---|---|---|---|")
         size = dict(QUICK if args.quick else FULL)
         if args.repeats is not None:
             size["repeats"] = args.repeats
+        print(spread_note(size["repeats"]))
+        print(HEADER)
+        print("|---|---|---|---|---|---|---|---|")
         rows = cpu_section(thread_counts=threads, deepspeed=not args.no_deepspeed, **size)
         note = noise_note(rows)
         if note:

@@ -83,7 +83,8 @@ def rules_section(rules: list[str], flat: int, many: tuple[int, int], thread_cou
                         for name, secs in t.items():
                             rows.append(Row(f"{rule} {case}", label, threads, name, secs / numel * 1e9,
                                             bytes_per_elem(pd, sd, states=1) * numel / secs / 1e9,
-                                            t["floor"] / secs if "floor" in t else None, None))
+                                            t["floor"] / secs if "floor" in t else None,
+                                            t["torch fused"] / secs if "torch fused" in t else None))
                         _print_rows(rows[-len(t):])
                     del contenders, params
     finally:
