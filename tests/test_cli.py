@@ -11,6 +11,20 @@ import time
 import pytest
 import torch
 
+@pytest.fixture(autouse=True)
+def _fresh_selfcheck_references():
+    """The self-check makes its references once per process (lru_cache); a test that patches the
+    contract must neither see references made before nor leave its own behind."""
+    def clear():
+        if "mps_fused_adam.selfcheck" in sys.modules:
+            sc = sys.modules["mps_fused_adam.selfcheck"]
+            for name in ("_many_case", "_lowbit_cases"):
+                getattr(sc, name, None) and getattr(sc, name).cache_clear()
+    clear()
+    yield
+    clear()
+
+
 HELP_PROBE = """
 import runpy, sys, time
 sys.argv = ["python -m mps_fused_adam", *sys.argv[1:]]
@@ -282,7 +296,7 @@ def test_a_backend_that_raises_fails_its_cases_and_the_rest_still_runs(monkeypat
     assert lion and all(not r["passed"] and r["error"] == "RuntimeError: kernel exploded" for r in lion)
     others = [r for r in rows if r not in lion]
     assert all(r["passed"] and r["error"] is None for r in others)
-    assert sum(r["backend"] == "foreach" for r in others) == 16  # the next backend was still checked
+    assert sum(r["backend"] == "foreach" for r in others) == 17  # the next backend was still checked
     assert cli.main(["--check"]) == 1
     out = capsys.readouterr().out
     assert re.search(r"FAIL _cpu .* lion float32/float32 +raised RuntimeError: kernel exploded", out) and "self-check(s) FAILED" in out
