@@ -3,11 +3,27 @@ skip parts of the report, the JSON report, exit statuses; and ``bench --plot`` w
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
+
+@pytest.fixture(autouse=True)
+def _fresh_selfcheck_references():
+    """The self-check makes its references once per process (lru_cache); a test that patches the
+    contract must neither see references made before nor leave its own behind."""
+    def clear():
+        if "mps_fused_adam.selfcheck" in sys.modules:
+            sc = sys.modules["mps_fused_adam.selfcheck"]
+            for name in ("_many_case", "_lowbit_cases"):
+                getattr(sc, name, None) and getattr(sc, name).cache_clear()
+    clear()
+    yield
+    clear()
+
 
 HELP_PROBE = """
 import runpy, sys, time
@@ -56,13 +72,20 @@ def test_check_only_json():
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)  # nothing but the JSON object on stdout
     assert set(report) == {"self_check", "passed"} and report["passed"] is True
-    from mps_fused_adam.selfcheck import PAIRS
+    from mps_fused_adam.selfcheck import AGREEMENT_BOUND, AGREEMENT_LABEL, PAIRS
     cpu_paths = [r for r in report["self_check"] if r["backend"].startswith("_cpu (")]
-    per_path = len(PAIRS) * 3 + 5  # Adam, Lion, Adagrad per dtype pair; 8-bit Adam x 3, stochastic rounding x 2
+    # Adam, Lion, Adagrad per dtype pair; 8-bit Adam x 3, stochastic rounding x 2; several tensors
+    # in one call; torch.optim.AdamW
+    per_path = len(PAIRS) * 3 + 5 + 1 + 1
     assert cpu_paths and len(cpu_paths) % per_path == 0
-    assert sum(r["dtypes"].startswith(("adam8bit ", "adam-sr ")) for r in cpu_paths) == 5 * len(cpu_paths) // per_path
+    paths = len(cpu_paths) // per_path
+    assert sum(r["dtypes"].startswith(("adam8bit ", "adam-sr ")) for r in cpu_paths) == 5 * paths
+    agreement = [r for r in report["self_check"] if r["dtypes"] == AGREEMENT_LABEL]
+    assert [r["backend"] for r in agreement] == [r["backend"] for r in cpu_paths[::per_path]] + ["foreach"]
+    assert all(0 < r["worst_in_eps"] < AGREEMENT_BOUND and r["passed"] for r in agreement)
     # The CPU kernel equals the reference bit for bit on every SIMD path (the contract).
-    assert all(r["bit_exact"] and r["worst_in_eps"] == 0 and r["passed"] for r in cpu_paths)
+    assert all(r["bit_exact"] and r["worst_in_eps"] == 0 and r["passed"] and r["exact_required"]
+               for r in cpu_paths if r["dtypes"] != AGREEMENT_LABEL)
 
 
 def test_no_bench_text_report():
@@ -131,3 +154,376 @@ def test_bench_plot_without_matplotlib_fails_before_running(monkeypatch):
     monkeypatch.setattr(bench, "cpu_section", must_not_run)
     with pytest.raises(SystemExit, match=r"--plot needs matplotlib.*mps-fused-adam\[bench\]"):
         bench.main(["--quick", "--plot", "out.png"])
+
+
+class Tampered:
+    """The CPU backend followed by ``after(rule, params, states, old_params)``: a stand-in for a
+    backend with a bug, checked by the self-check like any other."""
+    name = "tampered"
+
+    def __init__(self, after):
+        from mps_fused_adam.backends import get_backend
+        self.inner, self.after = get_backend("cpu"), after
+
+    def update(self, rule, params, grads, states, hp, sr_keys=None):
+        old = [p.clone() for p in params]
+        self.inner.update(rule, params, grads, states, hp)
+        self.after(rule, params, states, old)
+
+
+def _check(after, device="cpu"):
+    from mps_fused_adam.selfcheck import check_backend
+    return list(check_backend(Tampered(after), device, "tampered"))
+
+
+def test_a_nan_written_by_a_backend_fails_the_check():
+    def nan(rule, params, states, old):
+        params[0].view(-1)[7] = float("nan")
+    results = _check(nan)
+    assert results and all(not r.passed for r in results)
+    assert all(r.worst_in_eps == float("inf") for r in results)
+
+
+def test_abs_diff_counts_a_one_sided_nan_as_infinitely_wrong():
+    from mps_fused_adam.selfcheck import CheckResult, _abs_diff
+    nan, inf = float("nan"), float("inf")
+    a = torch.tensor([nan, nan, 1.0, inf, inf, -inf, 2.0])
+    b = torch.tensor([nan, 1.0, nan, inf, 1.0, inf, 1.5])
+    assert _abs_diff(a, b).tolist() == [0.0, inf, inf, 0.0, inf, inf, 0.5]
+    assert not CheckResult("x", "cpu", "float32/float32", nan, False).passed
+    assert not CheckResult("x", "cpu", "float32/float32", inf, False).passed
+
+
+def _leave_params(rule, params, states, old):
+    for p, o in zip(params, old):
+        p.copy_(o)
+
+
+def _reverse_params(rule, params, states, old):
+    for p, o in zip(params, old):
+        p.copy_(2 * o.float() - p.float())
+
+
+def _one_ulp_off(rule, params, states, old, calls=[0]):
+    """Each param a random +-1 ulp of its dtype off after the last of the three steps: an honest
+    rounding difference in the stored result (what a Metal tier may show), which must pass."""
+    calls[0] += 1
+    if calls[0] % 3:
+        return
+    gen = torch.Generator().manual_seed(calls[0])
+    for p in params:
+        ulp = torch.finfo(p.dtype).eps * torch.exp2(torch.floor(torch.log2(p.float().abs())))
+        p.copy_(p.float() + ulp * torch.where(torch.rand(p.shape, generator=gen) < 0.5, -1.0, 1.0))
+
+
+@pytest.mark.parametrize("after", [_leave_params, _reverse_params])
+def test_params_not_written_or_moved_backwards_fail_every_case(after):
+    """In half precision the contract's bound (8 eps x max|ref|) used to exceed the whole movement
+    of three steps, so a backend that never wrote the params (or moved them the wrong way) passed
+    Adam bf16/bf16, every half Lion pair and Adagrad fp16/bf16. On CPU bit identity is required;
+    the tolerance used off CPU must reject them too."""
+    import dataclasses
+    results = _check(after)
+    assert len(results) == 15 and all(r.exact_required and not r.passed for r in results)
+    for r in results:
+        loose = dataclasses.replace(r, exact_required=False)  # as an MPS backend is judged
+        assert not loose.passed, r
+        assert r.worst_of_update >= 0.99, r  # the whole movement is missing (1) or doubled (2)
+
+
+def test_the_tolerance_off_cpu_admits_rounding_differences():
+    import dataclasses
+    from mps_fused_adam.selfcheck import UPDATE_BOUND
+    results = _check(_one_ulp_off)
+    assert len(results) == 15
+    for r in results:
+        assert not r.passed  # on CPU only bit identity passes
+        assert dataclasses.replace(r, exact_required=False).passed, r
+        assert r.worst_of_update < UPDATE_BOUND / 2, r
+
+
+def test_a_host_scalar_bug_shared_with_the_reference_fails(monkeypatch, capsys):
+    """The second moment's bias correction dropped in the host scalars, which the reference and
+    every kernel take from contract.adam_scalars: no comparison with the reference can see it;
+    the agreement with torch.optim.AdamW, now judged, does (reported at ~5e5 eps x max|p|)."""
+    import dataclasses
+
+    from mps_fused_adam import __main__ as cli
+    from mps_fused_adam import backends, contract, reference
+    orig = contract.adam_scalars
+
+    def buggy(hp):
+        return orig(hp)._replace(d2=1.0)
+    for module in (contract, reference, backends):
+        monkeypatch.setattr(module, "adam_scalars", buggy)
+    monkeypatch.setitem(contract.RULES, "adam", dataclasses.replace(contract.RULES["adam"], scalars=buggy))
+    assert cli.main(["--check", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] is False
+    failed = [r for r in report["self_check"] if not r["passed"]]
+    assert failed and all(r["dtypes"] == "AdamW vs torch.optim.AdamW" for r in failed)
+    assert {r["backend"] for r in failed} >= {"foreach"} and all(r["worst_in_eps"] > 1e4 for r in failed)
+
+
+def test_torch_result_of_the_agreement_is_torch_optim_adamw():
+    """The agreement check takes torch's result from its functional adamw (cheaper to import):
+    it must be what torch.optim.AdamW(foreach=False) gives, bit for bit."""
+    from mps_fused_adam.selfcheck import _torch_adamw
+    p0, grads, theirs = _torch_adamw(20, 3001, 0.01)
+    tp = torch.nn.Parameter(p0.clone())
+    opt = torch.optim.AdamW([tp], lr=1e-3, weight_decay=0.01, foreach=False)
+    for g in grads:
+        tp.grad = g.clone()
+        opt.step()
+    assert not torch.equal(p0, theirs) and torch.equal(tp.detach(), theirs)
+
+
+def test_a_backend_that_raises_fails_its_cases_and_the_rest_still_runs(monkeypatch, capsys):
+    from mps_fused_adam import __main__ as cli
+    from mps_fused_adam import backends
+    orig = backends.CPUBackend.update
+
+    def explode_on_lion(self, rule, *args, **kwargs):
+        if rule == "lion":
+            raise RuntimeError("kernel exploded")
+        return orig(self, rule, *args, **kwargs)
+    monkeypatch.setattr(backends.CPUBackend, "update", explode_on_lion)
+    assert cli.main(["--check", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)  # the whole report, not a traceback
+    assert report["passed"] is False
+    rows = report["self_check"]
+    lion = [r for r in rows if r["backend"].startswith("_cpu (") and r["dtypes"].startswith("lion ")]
+    assert lion and all(not r["passed"] and r["error"] == "RuntimeError: kernel exploded" for r in lion)
+    others = [r for r in rows if r not in lion]
+    assert all(r["passed"] and r["error"] is None for r in others)
+    assert sum(r["backend"] == "foreach" for r in others) == 17  # the next backend was still checked
+    assert cli.main(["--check"]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"FAIL _cpu .* lion float32/float32 +raised RuntimeError: kernel exploded", out) and "self-check(s) FAILED" in out
+
+
+def test_benchmark_without_the_compiled_cpu_kernel_leaves_the_floor_out(monkeypatch, capsys):
+    """An install whose _cpu extension did not load (the CPU backend is then foreach): the floor
+    runs in that extension, so the benchmark leaves it out and says so instead of crashing."""
+    from mps_fused_adam import __main__ as cli
+    from mps_fused_adam import backends, bench
+    monkeypatch.setitem(sys.modules, "mps_fused_adam._cpu", None)  # import now raises ImportError
+    monkeypatch.setitem(backends._chosen, "cpu", backends.ForeachBackend())
+    monkeypatch.setattr(bench, "QUICK", dict(flat=4096, many=(4, 1024), repeats=3, foreach=False))
+    rows = cli.benchmark(echo=True)
+    out = capsys.readouterr().out
+    assert "memory floor left out" in out and "'foreach'" in out
+    assert len(rows) == 2 * (2 + 2 + 1)  # two shapes; ours and torch fused, ours alone for fp32 states
+    assert {r["contender"] for r in rows} == {"ours", "torch fused"} and all(r["of_floor"] is None for r in rows)
+    lines = bench.summary([bench.Row(**r) for r in rows])[2:]
+    assert len(lines) == 6 and all(line.endswith("| - |") for line in lines)
+
+
+def _strict_json(text: str):
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_has_no_infinity_when_a_code_differs(monkeypatch, capsys):
+    """An 8-bit kernel storing one wrong code is infinitely wrong; --json printed that as
+    ``Infinity``, which JSON parsers other than Python's reject. It is null now."""
+    from mps_fused_adam import __main__ as cli
+    from mps_fused_adam import optim8bit
+    orig = optim8bit._cpu_adam8bit
+
+    def one_wrong_code(p, g, st, hp, key):
+        orig(p, g, st, hp, key)
+        st["exp_avg_codes"][3] ^= 1
+    monkeypatch.setattr(optim8bit, "_cpu_adam8bit", one_wrong_code)
+    assert cli.main(["--check", "--json"]) == 1
+    report = _strict_json(capsys.readouterr().out)
+    bad = [r for r in report["self_check"] if not r["passed"]]
+    assert bad and all(r["dtypes"].startswith("adam8bit ") for r in bad)
+    # Where the flipped code survives to the end it is infinitely wrong (fp16 re-quantizes it away).
+    assert sum(r["worst_in_eps"] is None and r["worst_of_update"] is None for r in bad) >= 2
+
+
+def test_a_backend_that_drops_all_but_the_first_tensor_of_a_call_fails(monkeypatch, capsys):
+    """Every case used to hand the backend one tensor of 4099 elements per call: one thread of
+    the CPU kernel, one tensor. A bug in the later tensors of a call went unseen."""
+    from mps_fused_adam import __main__ as cli
+    from mps_fused_adam import backends
+    orig = backends.CPUBackend.update
+
+    def first_only(self, rule, params, grads, states, hp, sr_keys=None):
+        orig(self, rule, params[:1], grads[:1], [s[:1] for s in states], hp, None if sr_keys is None else sr_keys[:1])
+    monkeypatch.setattr(backends.CPUBackend, "update", first_only)
+    assert cli.main(["--check", "--json"]) == 1
+    failed = [r for r in _strict_json(capsys.readouterr().out)["self_check"] if not r["passed"]]
+    from mps_fused_adam.selfcheck import many_sizes
+    sizes = many_sizes(torch.get_num_threads())
+    assert failed and all(r["backend"].startswith("_cpu (") and r["dtypes"].startswith(f"{len(sizes)} tensors, ")
+                          for r in failed)
+    # What the case covers: more than two minimum spans (32768 elements) per thread, tensor ends off
+    # the kernel's 64-element thread boundaries.
+    assert sum(sizes) > 2 * 32768 * torch.get_num_threads() and all(n % 64 for n in sizes) and len(sizes) > 1
+
+
+@pytest.mark.parametrize("module", ["bench", "bench_rules"])
+@pytest.mark.parametrize("argv, message", [
+    (["--threads", "0"], "argument --threads: must be at least 1, got 0"),
+    (["--threads", "2", "-2"], "argument --threads: must be at least 1, got -2"),
+    (["--threads", "two"], "argument --threads: 'two' is not a whole number"),
+    (["--repeats", "-1"], "argument --repeats: must be at least 1, got -1"),
+    (["--repeats", "0"], "argument --repeats: must be at least 1, got 0"),  # was silently ignored
+])
+def test_bench_rejects_thread_counts_and_rounds_below_one(module, argv, message, monkeypatch, capsys):
+    import importlib
+    bench = importlib.import_module(f"mps_fused_adam.{module}")
+
+    def must_not_run(*a, **k):
+        raise AssertionError("the benchmark ran")
+    monkeypatch.setattr(bench, "cpu_section" if module == "bench" else "rules_section", must_not_run)
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--quick", *argv])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", ["bench", "bench_rules"])
+def test_bench_repeats_reach_the_run(module, monkeypatch):
+    import importlib
+    bench = importlib.import_module(f"mps_fused_adam.{module}")
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def record(*args, **kwargs):
+        seen["repeats"] = kwargs["repeats"] if module == "bench" else args[4]
+        seen["threads"] = kwargs["thread_counts"] if module == "bench" else args[3]
+        raise Stop
+    monkeypatch.setattr(bench, "cpu_section" if module == "bench" else "rules_section", record)
+    with pytest.raises(Stop):
+        bench.main(["--quick", "--repeats", "1", "--threads", "1", "3"])
+    assert seen == {"repeats": 1, "threads": [1, 3]}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mps-only", "--no-mps"], "--mps-only and --no-mps leave nothing to run"),
+    (["--mps-only", "--plot", "out.png"], "--plot applies to the CPU section, which --mps-only leaves out"),
+    (["--mps-only", "--threads", "2"], "--threads applies to the CPU section, which --mps-only leaves out"),
+    (["--overhead", "--threads", "2"], "--threads does not apply to --overhead"),
+    (["--overhead", "--plot", "out.png"], "--plot does not apply to --overhead"),
+    (["--overhead", "--no-mps"], "--no-mps does not apply to --overhead"),
+])
+def test_bench_rejects_options_the_chosen_section_would_ignore(argv, message, monkeypatch, capsys):
+    from mps_fused_adam import bench, bench_mps, bench_overhead
+
+    def must_not_run(*a, **k):
+        raise AssertionError("a section ran")
+    for module, name in ((bench, "cpu_section"), (bench_mps, "mps_benchmark_section"),
+                         (bench_overhead, "overhead_section")):
+        monkeypatch.setattr(module, name, must_not_run)
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module, section, argv, expected", [
+    ("bench_overhead", "overhead_section", [], {}),
+    ("bench_overhead", "overhead_section", ["--quick"], {"repeats": 30}),
+    ("bench_overhead", "overhead_section", ["--repeats", "5"], {"repeats": 5}),
+    ("bench_mps", "mps_benchmark_section", [], {}),
+    ("bench_mps", "mps_benchmark_section", ["--quick", "--repeats", "2"], {"numel": 8 * 2**20, "repeats": 2}),
+])
+def test_python_m_bench_mps_and_bench_overhead_run_their_section(module, section, argv, expected, monkeypatch):
+    """``python -m mps_fused_adam.bench_mps`` and ``.bench_overhead`` used to print nothing and
+    exit 0; they run their section of the benchmark now, with --repeats honoured."""
+    import importlib
+    import runpy
+    mod = importlib.import_module(f"mps_fused_adam.{module}")
+    seen = []
+    monkeypatch.setattr(mod, section, lambda **kwargs: seen.append(kwargs) or [])
+    monkeypatch.setattr(sys, "argv", [module, *argv])
+    with pytest.warns(RuntimeWarning, match="found in sys.modules"):  # runpy: it is imported already
+        with pytest.raises(SystemExit) as exit_:
+            runpy.run_module(f"mps_fused_adam.{module}", run_name="__main__")
+    assert exit_.value.code == 0 and seen == [expected]
+
+
+def test_python_m_bench_mps_says_there_is_no_mps_device():
+    run = subprocess.run([sys.executable, "-m", "mps_fused_adam.bench_mps"], capture_output=True, text=True,
+                         timeout=120)
+    import torch
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        pytest.skip("an MPS device is here: the section would run in full")
+    assert run.returncode == 0 and "no MPS device" in run.stdout, run.stdout + run.stderr
+
+
+_ENV_PROBE = """
+import warnings
+warnings.simplefilter("always")
+import torch, mps_fused_adam as mfa
+p = torch.nn.Parameter(torch.randn(4)); o = mfa.AdamW([p])
+for _ in range(3):
+    p.grad = torch.randn(4); o.step()
+from mps_fused_adam import _cpu
+print("POOL", _cpu.thread_pool())
+"""
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("MPS_FUSED_ADAM_POOL", "Own", "MPS_FUSED_ADAM_POOL='Own' is not recognised (the only value is 'own'); "
+                                   "using the default"),
+    ("MPS_FUSED_ADAM_TENSOR_HANDLES", "off", "MPS_FUSED_ADAM_TENSOR_HANDLES='off' is not 0 or 1; using the "
+                                             "tensor handles"),
+    ("MPS_FUSED_ADAM_POOL", "own", None),
+    ("MPS_FUSED_ADAM_TENSOR_HANDLES", "0", None),
+])
+def test_unrecognised_env_values_warn_once(name, value, message):
+    """Both variables used to take any other value silently, as the default; now they say so, once
+    (as MPS_FUSED_ADAM_SIMD and _PREFETCH do), and the recognised values stay quiet."""
+    import os
+    env = dict(os.environ, **{name: value})
+    run = subprocess.run([sys.executable, "-c", _ENV_PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    warned = [line for line in run.stderr.splitlines() if "RuntimeWarning" in line and name in line]
+    if message is None:
+        assert warned == [], run.stderr
+    else:
+        assert len(warned) == 1 and message in warned[0], run.stderr
+
+
+def test_bench_rules_reports_speed_against_torch_fused_where_it_runs(monkeypatch, capsys):
+    """torch's fused Adagrad is a contender, yet the column was always '-'."""
+    from mps_fused_adam import bench_rules
+    monkeypatch.setattr(bench_rules, "_contenders", lambda rule, params, pd, sd: {})
+    monkeypatch.setattr(bench_rules, "interleaved", lambda contenders, repeats: {
+        "ours": 1.0, "floor": 0.5, "torch foreach": 8.0, "torch fused": 2.5})
+    rows = bench_rules.rules_section(["adagrad"], 64, (2, 64), [1], 1)
+    ours = [r for r in rows if r.contender == "ours"]
+    assert len(ours) == 6 and all(r.vs_torch_fused == 2.5 and r.of_floor == 0.5 for r in ours)
+    assert [r.vs_torch_fused for r in rows if r.contender == "torch foreach"][0] == 2.5 / 8.0
+    assert "| 0.50 | 2.50x |" in capsys.readouterr().out
+
+
+def test_spread_note_says_min_and_max_below_four_rounds():
+    from mps_fused_adam.bench import SPREAD_NOTE, spread_note
+    from mps_fused_adam.timing import ratio_spread
+    assert spread_note(4) == SPREAD_NOTE and "middle half" in SPREAD_NOTE
+    assert "lowest and highest of those ratios (only 3 rounds: no quartiles)" in spread_note(3)
+    assert ratio_spread([2.0, 2.0, 2.0], [1.0, 4.0, 2.5]) == (0.8, 0.5, 2.0)  # median, min, max
+
+
+def test_json_carries_the_benchmark_notes_and_warnings(monkeypatch, capsys):
+    """--json readers saw neither the busy-machine note nor a warning such as the SIMD fallback."""
+    from mps_fused_adam import __main__ as cli
+    from mps_fused_adam import backends, bench
+    monkeypatch.setattr(bench, "QUICK", dict(flat=4096, many=(4, 1024), repeats=3, foreach=False))
+    monkeypatch.setattr(bench, "noise_note", lambda rows: "note: ratios moved by up to +-40%")
+    monkeypatch.setenv("MPS_FUSED_ADAM_SIMD", "neon" if "neon" not in backends.get_backend("cpu")._cpu.simd_paths()
+                       else "avx2")
+    monkeypatch.delitem(backends._chosen, "cpu")  # chosen again, in the command: the warning comes then
+    monkeypatch.setattr(cli, "self_check", lambda echo: [])  # checked elsewhere; keeps this test short
+    assert cli.main(["--json"]) == 0
+    captured = capsys.readouterr()
+    report = _strict_json(captured.out)
+    assert report["benchmark_notes"][0].startswith("speed vs torch fused") and "only 3 rounds" in report["benchmark_notes"][0]
+    assert report["benchmark_notes"][1:] == ["note: ratios moved by up to +-40%"]
+    assert any("MPS_FUSED_ADAM_SIMD=" in w and "is not supported on this CPU" in w for w in report["warnings"])

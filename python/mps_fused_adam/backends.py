@@ -161,6 +161,12 @@ class CPUBackend:
             # The extension ignores such a value (src/cpu/dispatch.cpp); say so instead of silently.
             warnings.warn(f"mps_fused_adam: MPS_FUSED_ADAM_PREFETCH={prefetch!r} is not a byte count from 0 to "
                           f"65536; using the per-CPU-vendor prefetch distance", RuntimeWarning)
+        pool = os.environ.get("MPS_FUSED_ADAM_POOL")
+        if pool and pool != "own":
+            # The extension takes only "own" (src/cpu/torch_openmp.cpp) and ignores anything else.
+            warnings.warn(f"mps_fused_adam: MPS_FUSED_ADAM_POOL={pool!r} is not recognised (the only value is "
+                          f"'own'); using the default, torch's OpenMP threads where they can be borrowed "
+                          f"(_cpu.thread_pool() says which pool runs)", RuntimeWarning)
 
     def update(self, rule: str, params, grads, states, hp, sr_keys=None) -> None:
         """``sr_keys``: for bf16 params, one ``lowbit.sr_key`` per param to store them by

@@ -56,6 +56,18 @@ def _params(count: int, size: int, dtype: torch.dtype) -> list[torch.nn.Paramete
     return params
 
 
+def floor_available() -> bool:
+    """The memory floor runs in the compiled CPU kernel's span loop (``_cpu``): where that did
+    not load (the CPU backend is then the foreach tier), there is no floor to run."""
+    from .backends import get_backend
+    return get_backend("cpu").name == "cpu"
+
+
+def floor_missing_note() -> str:
+    return (f"memory floor left out: it runs in the compiled CPU kernel, and the CPU backend here is "
+            f"{backend_info()['cpu']['backend']!r} (backend_info() says why)")
+
+
 def _floor_fn(params, states: list[list[torch.Tensor]], pdtype: torch.dtype, sdtype: torch.dtype,
               rule: str = "floor") -> Callable[[], None]:
     """The memory floor on the very tensors the optimizers use (``params``, their grads and
@@ -93,8 +105,9 @@ def _contenders(params, pdtype, sdtype, deepspeed: bool, foreach: bool = True) -
     ours = CPUAdam(params, fp32_optimizer_states=True) if sdtype != pdtype else AdamW(params, weight_decay=0.01)
     ours.step()  # makes the moments the others then share
     moments = {name: [ours.state[p][name] for p in params] for name in ("exp_avg", "exp_avg_sq")}
-    found: dict[str, Callable[[], None]] = {OURS: ours.step,
-                                            FLOOR: _floor_fn(params, list(moments.values()), pdtype, sdtype)}
+    found: dict[str, Callable[[], None]] = {OURS: ours.step}
+    if floor_available():
+        found[FLOOR] = _floor_fn(params, list(moments.values()), pdtype, sdtype)
     others: dict[str, torch.optim.Optimizer] = {}
     if sdtype == pdtype:  # torch keeps moments in the param dtype only
         others["torch fused"] = torch.optim.AdamW(params, weight_decay=0.01, fused=True)
@@ -129,13 +142,15 @@ def summary(rows: list[Row]) -> list[str]:
     cases = list(dict.fromkeys((r.case, r.dtypes, r.threads) for r in rows))
     for case in cases:
         by = {r.contender: r for r in rows if (r.case, r.dtypes, r.threads) == case}
-        ours, floor = by[OURS], by[FLOOR]
+        ours, floor = by[OURS], by.get(FLOOR)
         others = [r for name, r in by.items() if name not in (OURS, FLOOR)]
         best = min(others, key=lambda r: r.ns_per_elem) if others else None
         best_cells = (f"{best.contender} | {best.ns_per_elem:.3f} | {best.ns_per_elem / ours.ns_per_elem:.2f}x"
                       if best else "(none) | - | -")
-        of_floor = ours.of_floor if ours.of_floor is not None else floor.ns_per_elem / ours.ns_per_elem
-        lines.append(f"| {case[0]} | {case[1]} | {case[2]} | {ours.ns_per_elem:.3f} | {best_cells} | {of_floor:.2f} |")
+        of_floor = (ours.of_floor if ours.of_floor is not None else
+                    floor.ns_per_elem / ours.ns_per_elem if floor is not None else None)
+        floor_cell = "-" if of_floor is None else f"{of_floor:.2f}"
+        lines.append(f"| {case[0]} | {case[1]} | {case[2]} | {ours.ns_per_elem:.3f} | {best_cells} | {floor_cell} |")
     return lines
 
 
@@ -160,7 +175,7 @@ def cpu_section(flat: int, many: tuple[int, int], thread_counts: list[int], repe
                         vs_torch = ratio_spread(rounds["torch fused"], ts) if "torch fused" in rounds else None
                         rows.append(Row(case, label, threads, name, secs / numel * 1e9,
                                         bytes_per_elem(pd, sd) * numel / secs / 1e9,
-                                        ratio_spread(rounds["floor"], ts)[0],
+                                        ratio_spread(rounds[FLOOR], ts)[0] if FLOOR in rounds else None,
                                         vs_torch and vs_torch[0], vs_torch and vs_torch[1:]))
                     if echo:
                         _print_rows(rows[-len(rounds):])
@@ -229,6 +244,15 @@ SPREAD_NOTE = ("speed vs torch fused: the median of the ratios taken round by ro
                "half of those ratios (how much one round moves on this machine); above 1 is faster than torch")
 
 
+def spread_note(repeats: int) -> str:
+    """SPREAD_NOTE for a run of ``repeats`` rounds: with fewer than 4 there are no quartiles, and
+    the brackets hold the lowest and the highest ratio instead (timing.ratio_spread)."""
+    if repeats >= 4:
+        return SPREAD_NOTE
+    return SPREAD_NOTE.replace("the middle half of those ratios",
+                               f"the lowest and highest of those ratios (only {repeats} rounds: no quartiles)")
+
+
 def noise_note(rows: list[Row], tolerance: float = 0.05) -> Optional[str]:
     """A warning when round-to-round ratios moved more than ``tolerance`` either way in this run
     (a busy machine): then one run's ratios say little, and the note says so."""
@@ -239,6 +263,18 @@ def noise_note(rows: list[Row], tolerance: float = 0.05) -> Optional[str]:
     return (f"note: ratios moved by up to +-{max(widths):.0%} from round to round in this run (more than "
             f"{tolerance:.0%}): the machine is busy or throttling, so rerun on an idle machine before "
             "drawing conclusions")
+
+
+def positive_int(text: str) -> int:
+    """argparse type for thread counts and rounds: 0 or a negative number used to fail minutes
+    into the run (or, for --repeats 0, be ignored)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _require_matplotlib() -> None:
@@ -256,33 +292,53 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--no-deepspeed", action="store_true",
                     help="leave DeepSpeedCPUAdam out (otherwise included when importable; JIT-builds on first use)")
     ap.add_argument("--deepspeed", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
-    ap.add_argument("--threads", type=int, nargs="*", help="thread counts, e.g. --threads 1 4 16 (default: 1 and all)")
-    ap.add_argument("--repeats", type=int, help="interleaved rounds per case")
+    ap.add_argument("--threads", type=positive_int, nargs="*",
+                    help="thread counts, e.g. --threads 1 4 16 (default: 1 and all)")
+    ap.add_argument("--repeats", type=positive_int, help="interleaved rounds per case")
     ap.add_argument("--plot", metavar="PNG", help="write a bar chart (needs matplotlib: the 'bench' extra)")
     ap.add_argument("--mps-only", action="store_true", help="run only the MPS section")
     ap.add_argument("--no-mps", action="store_true", help="skip the MPS section")
     ap.add_argument("--overhead", action="store_true", help="only the per-tensor cost of the step path (bench_overhead)")
     args = ap.parse_args(argv)
+    # Options that a chosen section would ignore are usage errors: each used to run and exit 0
+    # having silently done less than asked (--mps-only --no-mps ran nothing at all).
+    if args.mps_only and args.no_mps:
+        ap.error("--mps-only and --no-mps leave nothing to run")
+    if args.overhead:
+        for given, name in ((args.threads is not None, "--threads"), (args.plot, "--plot"),
+                            (args.mps_only, "--mps-only"), (args.no_mps, "--no-mps")):
+            if given:
+                ap.error(f"{name} does not apply to --overhead (it takes --quick and --repeats)")
+    elif args.mps_only:
+        for given, name in ((args.threads is not None, "--threads"), (args.plot, "--plot")):
+            if given:
+                ap.error(f"{name} applies to the CPU section, which --mps-only leaves out")
     if args.plot:
         _require_matplotlib()
     if args.overhead:
         from .bench_overhead import overhead_section
-        overhead_section(**({"repeats": 30} if args.quick else {}))
+        repeats = args.repeats if args.repeats is not None else 30 if args.quick else None
+        overhead_section(**({} if repeats is None else {"repeats": repeats}))
         return 0
     all_threads = os.cpu_count() or 1
     threads = args.threads or sorted({1, all_threads})
     rows: list[Row] = []
     if not args.mps_only:
         info = backend_info()["cpu"]
-        from . import _cpu
-        print(f"CPU backend: {info['backend']} ({info.get('simd', '-')}, threads: {_cpu.thread_pool()}), "
+        pool = "-"
+        if floor_available():
+            from . import _cpu
+            pool = _cpu.thread_pool()
+        print(f"CPU backend: {info['backend']} ({info.get('simd', '-')}, threads: {pool}), "
               f"torch {torch.__version__}, {all_threads} CPUs, load average {os.getloadavg()[0]:.1f}")
-        print(SPREAD_NOTE)
+        if not floor_available():
+            print(floor_missing_note())
+        size = dict(QUICK if args.quick else FULL)
+        if args.repeats is not None:
+            size["repeats"] = args.repeats
+        print(spread_note(size["repeats"]))
         print(HEADER)
         print("|---|---|---|---|---|---|---|---|")
-        size = dict(QUICK if args.quick else FULL)
-        if args.repeats:
-            size["repeats"] = args.repeats
         rows = cpu_section(thread_counts=threads, deepspeed=not args.no_deepspeed, **size)
         note = noise_note(rows)
         if note:
@@ -300,7 +356,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not args.no_mps:
         from .bench_mps import mps_benchmark_section
         print()
-        mps_benchmark_section(**({"numel": 8 * 2**20, "repeats": 3} if args.quick else {}))
+        size = {"numel": 8 * 2**20, "repeats": 3} if args.quick else {}
+        if args.repeats is not None:
+            size["repeats"] = args.repeats
+        mps_benchmark_section(**size)
     return 0
 
 

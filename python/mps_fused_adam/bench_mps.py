@@ -9,6 +9,7 @@ hit all of them alike. Times are medians; every timed call ends with ``torch.mps
 """
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 import torch
@@ -186,3 +187,8 @@ def _run_section(numel, many, tiny, repeats, out, *, device: str, sync: Callable
         measure(f"flat {numel}", [numel], pdtype, sdtype, rule,
                 lambda ts: _rule_contenders(rule, ts, pdtype, sdtype, tiers))
     return rows
+
+
+if __name__ == "__main__":  # the options live in one place: python -m mps_fused_adam.bench --mps-only
+    from .bench import main
+    sys.exit(main(["--mps-only", *sys.argv[1:]]))

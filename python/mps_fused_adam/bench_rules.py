@@ -19,7 +19,8 @@ import torch
 
 from . import Adagrad, Lion, backend_info
 from .backends import get_backend
-from .bench import DTYPE_CASES, HEADER, Row, _floor_fn, _params, _print_rows, share_states
+from .bench import (DTYPE_CASES, HEADER, Row, _floor_fn, _params, _print_rows, floor_available, floor_missing_note,
+                    positive_int, share_states)
 from .contract import RULES, AdagradHyper, LionHyper
 from .timing import bytes_per_elem, interleaved
 
@@ -40,7 +41,8 @@ def _contenders(rule: str, params, pdtype, sdtype) -> dict[str, Callable[[], Non
         states = [torch.zeros_like(p, dtype=sdtype) for p in params]
         backend, grads = get_backend("cpu"), [p.grad for p in params]
         found["ours"] = lambda: backend.update(rule, params, grads, [states], HYPER[rule])
-    found["floor"] = _floor_fn(params, [states], pdtype, sdtype, rule="floor1")
+    if floor_available():
+        found["floor"] = _floor_fn(params, [states], pdtype, sdtype, rule="floor1")
     others: dict[str, torch.optim.Optimizer] = {}
     if sdtype == pdtype and rule == "adagrad":
         others["torch foreach"] = torch.optim.Adagrad(params, foreach=True)
@@ -81,7 +83,8 @@ def rules_section(rules: list[str], flat: int, many: tuple[int, int], thread_cou
                         for name, secs in t.items():
                             rows.append(Row(f"{rule} {case}", label, threads, name, secs / numel * 1e9,
                                             bytes_per_elem(pd, sd, states=1) * numel / secs / 1e9,
-                                            t["floor"] / secs, None))
+                                            t["floor"] / secs if "floor" in t else None,
+                                            t["torch fused"] / secs if "torch fused" in t else None))
                         _print_rows(rows[-len(t):])
                     del contenders, params
     finally:
@@ -93,18 +96,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, few repeats")
     ap.add_argument("--rules", nargs="*", default=["lion", "adagrad"], choices=["lion", "adagrad"])
-    ap.add_argument("--threads", type=int, nargs="*", help="thread counts (default: 1 and all)")
-    ap.add_argument("--repeats", type=int, help="interleaved rounds per case")
+    ap.add_argument("--threads", type=positive_int, nargs="*", help="thread counts (default: 1 and all)")
+    ap.add_argument("--repeats", type=positive_int, help="interleaved rounds per case")
     args = ap.parse_args(argv)
     all_threads = os.cpu_count() or 1
     threads = args.threads or sorted({1, all_threads})
     info = backend_info()["cpu"]
     print(f"CPU backend: {info['backend']} ({info.get('simd', '-')}), torch {torch.__version__}, {all_threads} CPUs; "
           f"load average {os.getloadavg()[0]:.1f} at start")
+    if not floor_available():
+        print(floor_missing_note())
     print(HEADER)
     print("|---|---|---|---|---|---|---|---|")
     flat, many, repeats = (8 * 2**20, (128, 65536), 3) if args.quick else (64 * 2**20, (1000, 65536), 7)
-    rules_section(args.rules, flat, many, threads, args.repeats or repeats)
+    rules_section(args.rules, flat, many, threads, args.repeats if args.repeats is not None else repeats)
     return 0
 
 

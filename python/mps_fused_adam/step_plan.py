@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -101,8 +102,12 @@ def _enable_tensor_handles(cpu: Any) -> bool:
     reading their Python attributes. Where this torch or platform lacks it, the checks read the
     attributes as before."""
     _HANDLES_TRIED.append(True)
-    if os.environ.get("MPS_FUSED_ADAM_TENSOR_HANDLES", "1") == "0":
+    setting = os.environ.get("MPS_FUSED_ADAM_TENSOR_HANDLES", "1")
+    if setting == "0":
         return False
+    if setting not in ("1", ""):  # once per process, as this runs once
+        warnings.warn(f"mps_fused_adam: MPS_FUSED_ADAM_TENSOR_HANDLES={setting!r} is not 0 or 1; using the "
+                      f"tensor handles where this torch has them (the default)", RuntimeWarning)
     alloc = getattr(getattr(torch._C, "_aoti", None), "unsafe_alloc_void_ptrs_from_tensors", None)
     name = {"darwin": "libtorch_cpu.dylib", "win32": "torch_cpu.dll"}.get(sys.platform, "libtorch_cpu.so")
     lib = os.path.join(os.path.dirname(torch.__file__), "lib", name)

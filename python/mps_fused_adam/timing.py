@@ -51,7 +51,9 @@ def interleaved(contenders: dict[str, Callable[[], None]], repeats: int,
 
 def ratio_spread(numerator: list[float], denominator: list[float]) -> tuple[float, float, float]:
     """Round-by-round ratios ``numerator[r] / denominator[r]``: (median, lower quartile, upper
-    quartile). The quartiles say how much one round's ratio moves on this machine."""
+    quartile). The quartiles say how much one round's ratio moves on this machine. With fewer
+    than 4 rounds there are no quartiles: the lowest and the highest ratio come instead
+    (``bench.spread_note`` says so where they are printed)."""
     ratios = sorted(a / b for a, b in zip(numerator, denominator))
     if len(ratios) < 4:
         return statistics.median(ratios), ratios[0], ratios[-1]
