@@ -251,6 +251,35 @@ def test_prefetch_distance_changes_speed_only(pair):
         _cpu.set_far_prefetch_bytes(None)
 
 
+@pytest.mark.parametrize("n", [64, 64 + 16, 1000 + 7])
+def test_bf16_subnormal_moments_stored_exactly(simd, n):
+    """bf16 params and states, from zero moments, with gradients so small that the new moments
+    are fp32 subnormals (even elements: m; odd elements: v). Stored bf16 keeps subnormals (torch
+    rounds them to nearest even, as the contract does), so a store that flushes them (AVX512_BF16's
+    vcvtneps2bf16) must not take such vectors. NaN-free: only the subnormal check routes them.
+    Sizes run the pair store (64 elements), a single vector and a scalar tail, with the bf16
+    pairs on and off."""
+    gen = torch.Generator().manual_seed(n)
+    p = torch.randn(n, generator=gen).bfloat16()
+    g = torch.randn(n, generator=gen)
+    g[0::2] *= 1e-38  # m = 0.1 * g: subnormal; v = 0.001 * g * g underflows to 0
+    g[1::2] *= 1e-18  # v = 0.001 * g * g: subnormal (bf16 keeps them down to 9e-41); m normal
+    g = g.bfloat16()
+    m, v = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+    try:
+        for pairs in (True, False):  # off: every vector through the single store
+            _cpu.set_bf16_pairs(pairs)
+            ours, ref = run_both((p, g, m, v), steps=1)
+            assert_identical(ours, ref)
+    finally:
+        _cpu.set_bf16_pairs(True)
+    tiny = torch.finfo(torch.float32).tiny
+    for name, t in (("exp_avg", ref[2][0::2]), ("exp_avg_sq", ref[3][1::2])):
+        sub = (t != 0) & (t.float().abs() < tiny)
+        assert sub.sum().item() > n // 4, f"{name}: only {sub.sum().item()} subnormals"
+    assert not torch.isnan(ref[0]).any()
+
+
 @pytest.mark.parametrize("sr", [False, True], ids=["nearest", "stochastic"])
 def test_bf16_pairs_change_speed_only(simd, sr):
     """The even/odd-lane path of bf16 params and states (x86) moves no bit: on and off both match

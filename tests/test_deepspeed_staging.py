@@ -94,6 +94,80 @@ class Backend:
         output_tensor_list[1].copy_(OTHER[:output_tensor_list[1].numel()])
         return FakeWork() if async_op else None
 
+    # The rest of TorchBackend's collectives (DeepSpeed 0.19.8's signatures). Asynchronous ones
+    # deliver on wait(), as a real handle may; every read-only argument is scribbled over after it
+    # was read (-1), so a wrapper that copied an input back would show it.
+    @staticmethod
+    def _done(async_op, deliver, inputs=()):
+        def run():
+            deliver()
+            for t in inputs:
+                t.fill_(-1.0)
+        if async_op:
+            return FakeWork(on_wait=run)
+        run()
+        return None
+
+    def all_reduce(self, tensor, op=None, group=None, async_op=False):
+        self._host(tensor)
+        return self._done(async_op, lambda: tensor.add_(OTHER[:tensor.numel()]))
+
+    def reduce(self, tensor, dst, op=None, group=None, async_op=False):
+        self._host(tensor)
+        assert dst == 0  # this rank receives the sum
+        return self._done(async_op, lambda: tensor.add_(OTHER[:tensor.numel()]))
+
+    def broadcast(self, tensor, src, group=None, async_op=False):
+        self._host(tensor)
+        assert src == 1  # from the other rank
+        return self._done(async_op, lambda: tensor.copy_(OTHER[:tensor.numel()]))
+
+    def reduce_scatter(self, output, input_list, op=None, group=None, async_op=False):
+        self._host(output, *input_list)
+        n = output.numel()  # rank 0's chunk: its input_list[0] plus the other rank's
+        return self._done(async_op, lambda: output.copy_(input_list[0] + OTHER[:n]), input_list)
+
+    def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                          async_op=False):
+        self._host(output, input)
+        h = input.numel() // 2  # even splits: our first half stays, the other rank's first half arrives
+
+        def deliver():
+            output[:h].copy_(input[:h])
+            output[h:].copy_(OTHER[:h])
+        return self._done(async_op, deliver, [input])
+
+    def gather(self, tensor, gather_list=None, dst=0, group=None, async_op=False):
+        self._host(tensor, *gather_list)
+        assert dst == 0
+
+        def deliver():
+            gather_list[0].copy_(tensor)
+            gather_list[1].copy_(OTHER[:tensor.numel()])
+        return self._done(async_op, deliver, [tensor])
+
+    def scatter(self, tensor, scatter_list=None, src=0, group=None, async_op=False):
+        self._host(tensor, *scatter_list)
+        assert src == 0
+        return self._done(async_op, lambda: tensor.copy_(scatter_list[0]), scatter_list)
+
+    def send(self, tensor, dst, group=None, tag=0):
+        self._host(tensor)
+        tensor.fill_(-1.0)
+
+    def recv(self, tensor, src=None, group=None, tag=0):
+        self._host(tensor)
+        tensor.copy_(OTHER[:tensor.numel()])
+        return 1  # the sender's rank, as torch.distributed.recv returns
+
+    def isend(self, tensor, dst, group=None, tag=0):
+        self._host(tensor)
+        return FakeWork(on_wait=lambda: tensor.fill_(-1.0))
+
+    def irecv(self, tensor, src=None, group=None, tag=0):
+        self._host(tensor)
+        return FakeWork(on_wait=lambda: tensor.copy_(OTHER[:tensor.numel()]))
+
     def batch_isend_irecv(self, p2p_op_list):
         works = []
         for op in p2p_op_list:
@@ -238,3 +312,78 @@ def test_tensors_that_require_grad(staging):
         b.all_gather_into_tensor(flat, flat[2:].detach())
     assert torch.equal(flat.detach(), torch.tensor([2.0, 3.0, 10.0, 11.0]))
     assert flat.grad_fn is None and flat.is_leaf
+
+
+def _collective_case(name):
+    """(positional arguments before async_op, [(device output, its value after)], [device inputs])
+    of one collective between this rank and OTHER."""
+    if name == "all_reduce":
+        t = mps([1.0, 2.0])
+        return (t, None, None), [(t, [11.0, 13.0])], []
+    if name == "reduce":
+        t = mps([1.0, 2.0])
+        return (t, 0, None, None), [(t, [11.0, 13.0])], []
+    if name == "broadcast":
+        t = mps([1.0, 2.0])
+        return (t, 1, None), [(t, [10.0, 11.0])], []
+    if name == "reduce_scatter":
+        out, ins = mps([0.0, 0.0]), [mps([1.0, 2.0]), mps([3.0, 4.0])]
+        return (out, ins, None, None), [(out, [11.0, 13.0])], ins
+    if name == "all_to_all_single":
+        out, inp = mps([0.0, 0.0, 0.0, 0.0]), mps([1.0, 2.0, 3.0, 4.0])
+        return (out, inp, None, None, None), [(out, [1.0, 2.0, 10.0, 11.0])], [inp]
+    if name == "gather":
+        t, gl = mps([1.0, 2.0]), [mps([0.0, 0.0]), mps([0.0, 0.0])]
+        return (t, gl, 0, None), [(gl[0], [1.0, 2.0]), (gl[1], [10.0, 11.0])], [t]
+    if name == "scatter":
+        t, sl = mps([0.0, 0.0]), [mps([5.0, 6.0]), mps([7.0, 8.0])]
+        return (t, sl, 0, None), [(t, [5.0, 6.0])], sl
+    if name in ("recv", "irecv"):
+        t = mps([0.0, 0.0])
+        return (t, 1, None, 0), [(t, [10.0, 11.0])], []
+    if name in ("send", "isend"):
+        t = mps([1.0, 2.0])
+        return (t, 1, None, 0), [], [t]
+    raise AssertionError(name)
+
+
+_ASYNC_OP = ["all_reduce", "reduce", "broadcast", "reduce_scatter", "all_to_all_single", "gather", "scatter"]
+_COLLECTIVE_CASES = ([(n, False) for n in _ASYNC_OP + ["send", "recv"]] + [(n, True) for n in _ASYNC_OP]
+                     + [("isend", True), ("irecv", True)])
+
+
+@pytest.mark.parametrize("name,is_async", _COLLECTIVE_CASES,
+                         ids=[f"{n}-{'async' if a else 'sync'}" for n, a in _COLLECTIVE_CASES])
+def test_each_collective_copies_back_its_outputs_only(staging, name, is_async):
+    """Every staged collective: the device outputs hold what the collective wrote (after wait() when
+    asynchronous, untouched before it), and the device inputs keep their values although the
+    collective scribbled over its copies of them."""
+    import inspect
+    # The fake takes the arguments under the names staging binds them to (DeepSpeed's).
+    assert tuple(inspect.signature(getattr(Backend, name)).parameters)[1:] == staging.SIGNATURES[name]
+    b = wrapped_backend(staging)
+    assert name in type(b).__dict__  # wrapped on the class
+    args, outputs, inputs = _collective_case(name)
+    outputs_before = [t.clone() for t, _ in outputs]
+    inputs_before = [t.clone() for t in inputs]
+    Backend.seen.clear()
+    if name in ("send", "recv", "isend", "irecv"):
+        result = getattr(b, name)(*args)
+    else:
+        result = getattr(b, name)(*args, is_async)
+    assert Backend.seen  # the collective ran, on host copies
+    if is_async:
+        for (t, _), before in zip(outputs, outputs_before):
+            assert torch.equal(t, before), f"{name}: a device output changed before wait()"
+        result.wait()
+    else:
+        assert result == (1 if name == "recv" else None)
+    for (t, want), before in zip(outputs, outputs_before):
+        assert torch.equal(t, torch.tensor(want)), f"{name}: device output {t.tolist()}, want {want}"
+    for t, before in zip(inputs, inputs_before):
+        assert torch.equal(t, before), f"{name}: device input written back: {t.tolist()}"
+    if is_async:
+        for t, _ in outputs:
+            t.fill_(7.0)
+        result.wait()  # a second wait copies nothing again
+        assert all(torch.equal(t, torch.full_like(t, 7.0)) for t, _ in outputs)

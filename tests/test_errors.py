@@ -171,6 +171,30 @@ def test_load_state_dict_rejects_moments_of_the_wrong_shape():
     assert not ours.state and ours.param_groups[0]["lr"] == 5e-4
 
 
+@pytest.mark.parametrize("saved_step", [-1, torch.tensor(-1.0)], ids=["int", "torch-tensor"])
+@pytest.mark.parametrize("cls", [mfa.AdamW, mfa.CPUAdam])
+def test_loaded_negative_step_rejected_and_nothing_changes(cls, saved_step):
+    """A checkpoint whose 'step' is -1 (ours keep an int, torch's a tensor) is not a count of
+    steps taken: the next step refuses it, naming the parameter and the value, and writes nothing
+    (a step count of 0 would divide by 1 - beta1**0 = 0)."""
+    model = torch.nn.Linear(4, 2)
+    sd = copy.deepcopy(_trained(torch.optim.AdamW, model).state_dict())
+    sd["state"][0]["step"] = saved_step
+    ours = cls(model.named_parameters() if cls is mfa.AdamW else model.parameters())
+    ours.load_state_dict(sd)
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    snap = snapshot(ours, params)
+    who = r"weight \(shape \(2, 4\), float32, cpu\)" if cls is mfa.AdamW else \
+        r"param_groups\[0\]\['params'\]\[0\] \(shape \(2, 4\), float32, cpu\)"
+    with pytest.raises(ValueError, match=rf"^{who}: optimizer state 'step' is -1 \(int\); expected the number "
+                                         rf"of steps taken, a non-negative int$"):
+        ours.step()
+    assert_unchanged(ours, params, snap)
+    assert ours.state[params[1]]["step"] == 1  # the other param's state did not move either
+
+
 def test_load_state_dict_rejects_what_is_not_a_state_dict():
     ours = mfa.AdamW(torch.nn.Linear(4, 2).parameters())
     with pytest.raises(ValueError, match=r"expected keys 'state' and 'param_groups', found \['weight', 'bias'\]|"
@@ -192,6 +216,7 @@ def test_named_parameter_in_message():
     (dict(eps=-1e-8), "Invalid epsilon value"),
     (dict(betas=(1.0, 0.999)), "Invalid beta parameter at index 0: 1.0"),
     (dict(betas=(0.9, -0.1)), "Invalid beta parameter at index 1"),
+    (dict(betas=(0.9, 1.0)), r"^Invalid beta parameter at index 1: 1.0$"),  # torch's message, word for word
     (dict(weight_decay=-0.1), "Invalid weight_decay value"),
 ])
 @pytest.mark.parametrize("cls", [mfa.AdamW, mfa.Adam, mfa.FusedAdam, mfa.CPUAdam])

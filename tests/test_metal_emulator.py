@@ -381,15 +381,19 @@ def make_8bit(n: int, pdtype, seed: int, specials: bool = False):
 
 
 def run_8bit(emu: Emulator, n: int, pdtype, mode: dict, sr: bool = False, seed: int = 0, steps: int = STEPS,
-             specials: bool = False, group: int = 256, reverse: bool = False, split: bool = False):
+             specials: bool = False, group: int = 256, reverse: bool = False, split: bool = False,
+             grad_specials: bool = False):
     """``steps`` steps of fused_adam8bit_*_uchar (one dispatch, or two split at a block boundary)
-    and of reference_adam8bit_ from the same state."""
+    and of reference_adam8bit_ from the same state. ``grad_specials`` puts a NaN and an Inf in
+    block 0's gradient (elements 3 and 4) at every step."""
     start = make_8bit(n, pdtype, seed, specials)
     ours = [t.clone() for t in start]
     ref = [t.clone() for t in start]
     tables = (lowbit.kernel_table(True), lowbit.kernel_table(False))
     name = f"fused_adam8bit_{ {torch.float32: 'float', torch.float16: 'half', torch.bfloat16: 'bfloat'}[pdtype] }_uchar"
     for step, g in enumerate(grads(n, pdtype, seed, steps), start=1):
+        if grad_specials:
+            g[3:5] = torch.tensor([float("nan"), float("inf")])
         hp = hyper(step, **mode)
         key = lowbit.sr_key(0xFEEDFACE + seed, step) if sr else None
         packed = pack_params(lowbit.Adam8bitTensorHyper(hp, key), "adam8bit")
@@ -420,6 +424,33 @@ def assert_8bit_equal(ours, ref):
 def test_8bit_kernel_matches_reference_bitwise(emu, n, mode, pdtype):
     ours, ref = run_8bit(emu, n, pdtype, mode, seed=n)
     assert_8bit_equal(ours, ref)
+
+
+@pytest.mark.parametrize("n", [5, 300])
+@pytest.mark.parametrize("pdtype", P8, ids=["f32", "f16", "bf16"])
+def test_8bit_kernel_l2_specials_matches_reference_bitwise(emu, n, pdtype):
+    """L2 mode carries the NaN param (and the NaN and Inf gradients) into the moments, so block 0's
+    new scales must turn NaN as the reference's (torch's amax) do, whatever order the NaN, the Inf
+    and the finite values of the block arrive in; the other blocks stay finite."""
+    l2 = MODES[5]
+    assert not l2["adam_w_mode"]
+    ours, ref = run_8bit(emu, n, pdtype, l2, seed=n, steps=2, specials=True, grad_specials=True)
+    # Bit for bit, except that a NaN's sign and payload are not part of the contract: NaN where
+    # the reference has NaN, the same bits everywhere else.
+    for name, a, b in zip(("param", "exp_avg codes", "exp_avg_sq codes", "exp_avg absmax", "exp_avg_sq absmax"),
+                          ours, ref):
+        if a.dtype is torch.uint8:
+            assert torch.equal(a, b), name
+            continue
+        nan = b.isnan()
+        assert torch.equal(a.isnan(), nan), f"{name}: NaN at {a.isnan().nonzero().flatten().tolist()[:8]}, " \
+                                            f"reference at {nan.nonzero().flatten().tolist()[:8]}"
+        assert torch.equal(bits(a)[~nan], bits(b)[~nan]), name
+    for name, a, b in (("exp_avg absmax", ours[3], ref[3]), ("exp_avg_sq absmax", ours[4], ref[4])):
+        assert b[0].isnan(), f"reference {name}[0] = {b[0].item()}"
+        assert a[0].isnan(), f"{name}[0] = {a[0].item()}, reference NaN"
+        assert torch.isfinite(a[1:]).all() and torch.equal(a[1:], b[1:])
+    assert torch.equal(ours[0].isnan(), ref[0].isnan())
 
 
 @pytest.mark.parametrize("n", [300, 4097])

@@ -145,6 +145,44 @@ def test_cpu_adam_fp32_states_for_bf16_params():
     assert low.state[p]["exp_avg"].dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("src,dst,saved_dtype,want_dtype", [
+    (mfa.CPUAdam, mfa.AdamW, torch.float32, torch.bfloat16),
+    (torch.optim.AdamW, mfa.CPUAdam, torch.bfloat16, torch.float32),
+], ids=["CPUAdam-fp32-to-AdamW", "torch.AdamW-bf16-to-CPUAdam"])
+def test_loaded_states_take_the_destinations_state_dtype(src, dst, saved_dtype, want_dtype):
+    """A checkpoint's moments are cast to the loading optimizer's state dtype (AdamW: the param's
+    bf16; CPUAdam: fp32), not kept in the saved dtype; the next step then matches the reference
+    started from the saved moments rounded to that dtype, bit for bit."""
+    gen = torch.Generator().manual_seed(5)
+    n = 1000
+    a = torch.nn.Parameter(torch.randn(n, generator=gen).bfloat16())
+    kw = dict(lr=1e-2, weight_decay=0.01)
+    oa = src([a], **kw)
+    for _ in range(2):
+        a.grad = torch.randn(n, generator=gen).bfloat16()
+        oa.step()
+    saved = copy.deepcopy(oa.state_dict())
+    st_saved = next(iter(saved["state"].values()))
+    assert st_saved["exp_avg"].dtype == saved_dtype and st_saved["exp_avg_sq"].dtype == saved_dtype
+    b = torch.nn.Parameter(a.detach().clone())
+    ob = dst([b], **kw)
+    ob.load_state_dict(saved)
+    st = ob.state[b]
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert st[name].dtype == want_dtype, f"{name}: {st[name].dtype}, want {want_dtype}"
+        assert torch.equal(st[name], st_saved[name].to(want_dtype))
+    # One step from there against the reference on the same starting values.
+    g = torch.randn(n, generator=gen).bfloat16()
+    ref = [b.detach().clone(), g.clone(), st_saved["exp_avg"].to(want_dtype), st_saved["exp_avg_sq"].to(want_dtype)]
+    b.grad = g
+    ob.step()
+    reference_adam_(*ref, AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.01, 3))
+    assert st["exp_avg"].dtype == want_dtype and int(st["step"]) == 3
+    assert torch.equal(b.detach().view(torch.int16), ref[0].view(torch.int16))
+    assert torch.equal(st["exp_avg"], ref[2]) and torch.equal(st["exp_avg_sq"], ref[3])
+    assert not torch.equal(b.detach(), a.detach())
+
+
 def test_mixed_dtype_groups():
     ps = [torch.nn.Parameter(torch.randn(50).to(d)) for d in (torch.float32, torch.float16, torch.bfloat16)]
     refs = [[p.detach().clone(), None, torch.zeros_like(p), torch.zeros_like(p)] for p in ps]
