@@ -31,9 +31,10 @@
 // 2^32 elements index correctly while thread_position_in_grid stays a 32-bit uint.
 //
 // Adding a rule: a struct like AdamRule below (kStates, Params, an inline apply() in the
-// contract's operation order, precise sqrt/divide) and its lines in the instantiation lists,
-// with the kernel shape of its state count (fused_step_2, or fused_step_1: buffers 0-2 for
-// tensors, 3-5 for the rest).
+// contract's operation order, precise sqrt/divide) and one line in FUSED_RULES at the end, which
+// instantiates it for every dtype pair with the kernel shape of its state count (fused_step_2,
+// or fused_step_1: buffers 0-2 for tensors, 3-5 for the rest). Its Params fields are those of its
+// contract.py NamedTuple, in order (tests/test_scalar_layouts.py).
 
 #ifndef FUSED_ADAM_HOST_EMULATOR
 #include <metal_stdlib>
@@ -283,6 +284,7 @@ kernel void fused_step_2(device P* param [[buffer(0)]],
                          constant ulong& base [[buffer(5)]],
                          constant ulong& n [[buffer(6)]],
                          uint tid [[thread_position_in_grid]]) {
+  static_assert(Rule::kStates == 2, "fused_step_2 is the kernel shape of two-state rules");
   step_elements<Rule, P, S>(param, grad, state0, state1, hp, base, n, tid);
 }
 
@@ -295,6 +297,7 @@ kernel void fused_step_1(device P* param [[buffer(0)]],
                          constant ulong& base [[buffer(4)]],
                          constant ulong& n [[buffer(5)]],
                          uint tid [[thread_position_in_grid]]) {
+  static_assert(Rule::kStates == 1, "fused_step_1 is the kernel shape of one-state rules");
   step_elements<Rule, P, S>(param, grad, state0, state0, hp, base, n, tid);
 }
 
@@ -441,30 +444,35 @@ kernel void fused_step_8bit(device P* param [[buffer(0)]],
   absmax2[b] = mx2;
 }
 
-// The instantiation lists: X(kernel shape, rule struct, rule name, P, S), one line per rule x
-// dtype pair; host name fused_<rule>_<P>_<S>. The host emulator expands the same lists.
-#define FUSED_KERNELS(X)                               \
-  X(fused_step_2, AdamRule, adam, float, float)        \
-  X(fused_step_2, AdamRule, adam, half, float)         \
-  X(fused_step_2, AdamRule, adam, half, half)          \
-  X(fused_step_1, LionRule, lion, float, float)        \
-  X(fused_step_1, LionRule, lion, half, float)         \
-  X(fused_step_1, LionRule, lion, half, half)          \
-  X(fused_step_1, AdagradRule, adagrad, float, float)  \
-  X(fused_step_1, AdagradRule, adagrad, half, float)   \
-  X(fused_step_1, AdagradRule, adagrad, half, half)    \
-  X(fused_step_8bit, Adam8bitRule, adam8bit, float, uchar) \
-  X(fused_step_8bit, Adam8bitRule, adam8bit, half, uchar)
+// The instantiation lists. FUSED_RULES names each rule once: M(X, rule struct, host name, states);
+// its states pick the kernel shape (fused_step_<states>, which static_asserts the struct's
+// kStates), and FUSED_PAIRS / FUSED_PAIRS_BFLOAT expand every dtype pair of it. So a new rule is
+// its struct above and one line here. FUSED_KERNELS and FUSED_KERNELS_BFLOAT then list
+// X(kernel shape, rule struct, host name, P, S), one entry per kernel, host name
+// fused_<rule>_<P>_<S>; the host emulator expands the same two lists.
+#define FUSED_RULES(M, X)       \
+  M(X, AdamRule, adam, 2)       \
+  M(X, LionRule, lion, 1)       \
+  M(X, AdagradRule, adagrad, 1)
+#define FUSED_PAIRS(X, RULE, NAME, STATES)                 \
+  X(fused_step_##STATES, RULE, NAME, float, float)         \
+  X(fused_step_##STATES, RULE, NAME, half, float)          \
+  X(fused_step_##STATES, RULE, NAME, half, half)
 // bfloat needs Metal 3.1 (macOS 14).
-#define FUSED_KERNELS_BFLOAT(X)                          \
-  X(fused_step_2, AdamRule, adam, bfloat, float)         \
-  X(fused_step_2, AdamRule, adam, bfloat, bfloat)        \
-  X(fused_step_1, LionRule, lion, bfloat, float)         \
-  X(fused_step_1, LionRule, lion, bfloat, bfloat)        \
-  X(fused_step_1, AdagradRule, adagrad, bfloat, float)   \
-  X(fused_step_1, AdagradRule, adagrad, bfloat, bfloat) \
-  X(fused_step_2, AdamSRRule, adam_sr, bfloat, float)   \
-  X(fused_step_2, AdamSRRule, adam_sr, bfloat, bfloat) \
+#define FUSED_PAIRS_BFLOAT(X, RULE, NAME, STATES)          \
+  X(fused_step_##STATES, RULE, NAME, bfloat, float)        \
+  X(fused_step_##STATES, RULE, NAME, bfloat, bfloat)
+
+// Every rule's plain pairs, then 8-bit Adam (uchar codes; buffers of fused_step_8bit).
+#define FUSED_KERNELS(X)                                       \
+  FUSED_RULES(FUSED_PAIRS, X)                                  \
+  X(fused_step_8bit, Adam8bitRule, adam8bit, float, uchar)     \
+  X(fused_step_8bit, Adam8bitRule, adam8bit, half, uchar)
+// Every rule's bfloat pairs, then those that exist for bfloat params only: Adam storing the param
+// by stochastic rounding, and 8-bit Adam's bfloat param.
+#define FUSED_KERNELS_BFLOAT(X)                                \
+  FUSED_RULES(FUSED_PAIRS_BFLOAT, X)                           \
+  FUSED_PAIRS_BFLOAT(X, AdamSRRule, adam_sr, 2)                \
   X(fused_step_8bit, Adam8bitRule, adam8bit, bfloat, uchar)
 
 #define FUSED_INSTANTIATE(SHAPE, RULE, NAME, P, S)                                   \
