@@ -19,6 +19,15 @@ SRC = ROOT / "src" / "cpu"
 FLAGS = ["-std=c++17", "-O2", "-ffp-contract=off", "-fno-math-errno", "-fno-fast-math", "-static"]
 
 
+def _assert_every_rule_ran(stdout: str) -> None:
+    """The harness's totals, and a line per rule of MFA_RULES (adam_types.h) with cases and no mismatch."""
+    assert re.search(r"^\d+ passed, 0 failed$", stdout, re.M) and "\n0 passed" not in stdout, stdout
+    names = re.findall(r'X\(\s*\w+\s*,\s*"(\w+)"', (SRC / "adam_types.h").read_text())
+    assert names
+    for name in names:
+        assert re.search(rf"^rule {name}: [1-9]\d* cases, 0 mismatches$", stdout, re.M), (name, stdout)
+
+
 def test_neon_matches_scalar_under_qemu(tmp_path):
     cxx, qemu = require_tool("aarch64-linux-gnu-g++", "qemu-aarch64")
     exe = tmp_path / "isa_parity"
@@ -27,7 +36,7 @@ def test_neon_matches_scalar_under_qemu(tmp_path):
     run = subprocess.run([qemu, str(exe)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "neon vs scalar" in run.stdout
-    assert " 0 failed" in run.stdout and " 0 passed" not in run.stdout, run.stdout
+    _assert_every_rule_ran(run.stdout)
 
 
 # The /proc/cpuinfo flags each x86 build needs; its compiler flags come from cmake/cpu_adam.cmake.
@@ -75,4 +84,4 @@ def test_x86_build_matches_scalar_natively(tmp_path, isa):
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert f"{isa} vs scalar" in run.stdout
-    assert " 0 failed" in run.stdout and " 0 passed" not in run.stdout, run.stdout
+    _assert_every_rule_ran(run.stdout)

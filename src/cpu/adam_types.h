@@ -56,8 +56,10 @@ struct AdagradScalars {
 static_assert(sizeof(AdagradScalars) == 20, "AdagradScalars must match contract.RULES['adagrad'].struct_format");
 
 // THE list of update rules: X(enum id, Python name, functor in rules.h, scalar struct, states).
-// Adding a rule: one line here, its functor in rules.h, its scalar struct above; every ISA x
-// dtype pair is then instantiated from this list (kernel.h) and bound by name (bindings.cpp).
+// Adding a rule: one line here, its functor in rules.h, its scalar struct above (fields named and
+// ordered as its contract.py NamedTuple: tests/test_scalar_layouts.py); every ISA x dtype pair is
+// then instantiated from this list (kernel.h) and bound by name (bindings.cpp). The native parity
+// harness (tests/native/isa_parity.cpp) runs every rule of this list and needs its example scalars.
 // "floor" is the benchmark's memory floor: Adam's access pattern with trivial math, Adam's scalars;
 // "floor1" that of the one-state rules (Lion, Adagrad: 3 reads, 2 writes), Lion's scalars.
 #define MFA_RULES(X)                                      \

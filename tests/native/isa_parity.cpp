@@ -1,7 +1,8 @@
 // Cross-build check: one SIMD build (NEON on arm64, or an x86 build) against the scalar build, bit
-// for bit, for every dtype pair, both modes and the memory-floor loop; then the one-state rules
-// (Lion with its sign at zero momentum, Adagrad with and without L2, both with maximize) and their
-// floor; then stochastic rounding at element indices across 2^32; then 8-bit Adam, dequantized by
+// for bit: every rule of MFA_RULES (adam_types.h; the memory floors included) in every combo and
+// mode of its example scalars below (Adam: AdamW/L2 x maximize/bias correction; Lion: its sign at
+// zero momentum, weight decay, maximize, a negative lr; Adagrad: with and without L2, maximize),
+// and with stochastic rounding at element indices across 2^32; then 8-bit Adam, dequantized by
 // permutes and by gathers. Built with the same flags as the extension by tests/test_native_isa.py:
 // NEON runs under qemu-aarch64 on x86-64 machines, the x86 builds natively where the CPU has them.
 #include <cstdint>
@@ -62,105 +63,139 @@ std::vector<uint8_t> random_values(int n, int elem, bool bf, bool nonneg, Rng& r
   return buf;
 }
 
-int main() {
-  const IsaTable a = isa_scalar::table(), b = MFA_NATIVE_NS::table();
+// Example scalars of every rule of MFA_RULES (adam_types.h): the modes it is run in, and which of
+// its states hold non-negative values (second moments, sums of squares). A rule added to MFA_RULES
+// needs its overload here (the loop in main() names them all, so the file does not compile
+// without it); from then on it runs on every ISA build, for every combo, size and mode below.
+template <RuleId> struct Tag {};
+template <class Scalars> struct Examples {
+  std::vector<Scalars> modes;
+  unsigned nonneg_states;  // bit s: state s stays >= 0
+};
+
+// beta1, beta2, 1-beta1, 1-beta2, eps, wd, step size, d2, decay, adamw, maximize (contract v2):
+// mode bit 0 = maximize with no bias correction, bit 1 = L2 mode.
+static AdamScalars adam_example(int mode) {
+  const bool adamw = (mode & 2) == 0;
+  return AdamScalars{0.9f, 0.999f, 0.1f, 0.001f, 1e-8f, 0.05f, mode & 1 ? 1e-2f : 0.1f, mode & 1 ? 1.0f : 31.622776f,
+                     adamw ? 0.9995f : 1.0f, adamw, (mode & 1) != 0u};
+}
+static Examples<AdamScalars> examples(Tag<RuleId::Adam>) {
+  return {{adam_example(0), adam_example(1), adam_example(2), adam_example(3)}, 1u << 1};
+}
+// The memory floor: Adam's scalars (it reads only weight_decay - weight_decay).
+static Examples<AdamScalars> examples(Tag<RuleId::Floor>) { return {{adam_example(0), adam_example(1)}, 1u << 1}; }
+// lr, beta1, beta2, 1-beta1, 1-beta2, decay, maximize: maximize x weight decay, then lr -1e-2 and
+// -0 (lr's sign bit set: the kernels multiply by sign(c) there). Zero momenta come from the
+// random values (Lion's c = 0 path).
+static LionScalars lion_example(bool mx, bool wd, float lr) {
+  return LionScalars{lr, 0.9f, 0.99f, 0.1f, 0.01f, wd ? 0.999f : 1.0f, mx};
+}
+static Examples<LionScalars> examples(Tag<RuleId::Lion>) {
+  return {{lion_example(false, false, 1e-2f), lion_example(true, false, 1e-2f), lion_example(false, true, 1e-2f),
+           lion_example(true, true, 1e-2f), lion_example(true, false, -1e-2f), lion_example(false, true, -0.0f)},
+          0u};
+}
+static Examples<LionScalars> examples(Tag<RuleId::Floor1>) { return {{lion_example(false, false, 1e-2f)}, 0u}; }
+// clr, eps, weight_decay, l2, maximize: maximize x L2; the state is a sum of squares.
+static Examples<AdagradScalars> examples(Tag<RuleId::Adagrad>) {
+  std::vector<AdagradScalars> modes;
+  for (int mode = 0; mode < 4; ++mode) {
+    const bool mx = (mode & 1) != 0, wd = (mode & 2) != 0;
+    modes.push_back(AdagradScalars{1e-2f, 1e-10f, wd ? 0.1f : 0.0f, wd, mx});
+  }
+  return {modes, 1u << 0};
+}
+
+struct Counts {
+  int passed = 0, failed = 0;
+};
+
+// One rule of MFA_RULES, scalar build (a) against the SIMD build (b), bit for bit: every combo,
+// size and mode, two calls each; then the stochastic-rounding combos at element indices across
+// 2^32, whose low 32 bits wrap within a vector there (the AVX-512 store's slow path), reached
+// through base pointers shifted back by `begin` elements: the kernel only touches begin to end - 1.
+template <RuleId Id, class Scalars, int States, class Rng, class Dist>
+void check_rule(const char* name, const IsaTable& a, const IsaTable& b, Rng& rng, Dist& dist, Counts& total) {
+  static_assert(States >= 1 && States <= kMaxStates, "a rule's states fit a Span");
+  const Examples<Scalars> ex = examples(Tag<Id>{});
   const int sizes[] = {1, 3, 4, 5, 17, 1000, 4099};
   // Per Combo (adam_types.h): param and state element sizes; the last two are the bf16
   // stochastic-rounding pairs.
   const int elem[] = {4, 2, 2, 2, 2, 2, 2}, state_elem[] = {4, 4, 2, 4, 2, 4, 2};
   static_assert(sizeof elem / sizeof elem[0] == int(Combo::Count), "one entry per combo");
-  std::mt19937 rng(7);
-  std::uniform_int_distribution<int> dist(-512, 512);
-  int passed = 0, failed = 0;
+  constexpr int kTensors = 2 + States;  // param, grad, the states
+  Counts c;
+  auto compare = [&](const std::vector<uint8_t> (&x)[kTensors], const std::vector<uint8_t> (&y)[kTensors]) {
+    bool same = true;
+    for (int t = 0; t < kTensors; ++t) same = same && x[t] == y[t];
+    same ? ++c.passed : ++c.failed;
+    return same;
+  };
+  auto fill = [&](std::vector<uint8_t> (&bufs)[2][kTensors], int n, const int* es, bool bf) {
+    for (int t = 0; t < kTensors; ++t) {
+      const bool nonneg = t >= 2 && ((ex.nonneg_states >> (t - 2)) & 1u) != 0;
+      bufs[0][t] = random_values(n, es[t], bf, nonneg, rng, dist);  // zeros included
+      bufs[1][t] = bufs[0][t];
+    }
+  };
   for (int combo = 0; combo < int(Combo::Count); ++combo) {
+    int es[kTensors] = {elem[combo], elem[combo]};
+    for (int t = 2; t < kTensors; ++t) es[t] = state_elem[combo];
     for (int n : sizes) {
-      for (int mode = 0; mode < 6; ++mode) {  // adamw/l2 x maximize x bias-corrected, then floor
-        bool floor = mode >= 4;
-        // beta1, beta2, 1-beta1, 1-beta2, eps, wd, step size, d2, decay, adamw, maximize (contract v2)
-        const bool adamw = (mode & 2) == 0;
-        AdamScalars s{0.9f,  0.999f, 0.1f, 0.001f, 1e-8f, 0.05f, mode & 1 ? 1e-2f : 0.1f, mode & 1 ? 1.0f : 31.622776f,
-                      adamw ? 0.9995f : 1.0f, adamw, (mode & 1) != 0u};
-        std::vector<std::vector<uint8_t>> bufs[2];
-        for (int k = 0; k < 2; ++k) bufs[k].resize(4);
-        int es[4] = {elem[combo], elem[combo], state_elem[combo], state_elem[combo]};
-        for (int t = 0; t < 4; ++t) {  // the second moment (t == 3) stays non-negative
-          bufs[0][t] = random_values(n, es[t], combo >= int(Combo::BF16_F32), t == 3, rng, dist);
-          bufs[1][t] = bufs[0][t];
-        }
+      for (size_t mode = 0; mode < ex.modes.size(); ++mode) {
+        std::vector<uint8_t> bufs[2][kTensors];
+        fill(bufs, n, es, combo >= int(Combo::BF16_F32));
         for (int k = 0; k < 2; ++k) {
-          const IsaTable& tab = k == 0 ? a : b;
-          Span sp{bufs[k][0].data(), bufs[k][1].data(), {bufs[k][2].data(), bufs[k][3].data()}, n};
-          sp.sr_key = 0x9E3779B9u ^ uint32_t(n);  // used by the stochastic-rounding combos only
-          SpanFn fn = tab.fn[int(floor ? RuleId::Floor : RuleId::Adam)][combo];
-          fn(sp, 0, n, &s);
-          fn(sp, 0, n, &s);
+          // The key is used by the stochastic-rounding combos only.
+          Span sp{bufs[k][0].data(), bufs[k][1].data(), {}, n, 0x9E3779B9u ^ uint32_t(n)};
+          for (int t = 0; t < States; ++t) sp.state[t] = bufs[k][2 + t].data();
+          SpanFn fn = (k == 0 ? a : b).fn[int(Id)][combo];
+          fn(sp, 0, n, &ex.modes[mode]);
+          fn(sp, 0, n, &ex.modes[mode]);
         }
-        bool same = bufs[0] == bufs[1];
-        same ? ++passed : ++failed;
-        if (!same) std::printf("MISMATCH %s vs %s: combo %d n %d mode %d\n", a.name, b.name, combo, n, mode);
+        if (!compare(bufs[0], bufs[1]))
+          std::printf("MISMATCH %s vs %s: rule %s combo %d n %d mode %d\n", a.name, b.name, name, combo, n,
+                      int(mode));
       }
     }
   }
-  // One-state rules: mode 0-3 Lion (maximize x weight decay), 4-7 Adagrad (maximize x L2), 8 floor1,
-  // 9-10 Lion with lr -1e-2 and -0 (lr's sign bit set: the kernels multiply by sign(c) there).
-  for (int combo = 0; combo < int(Combo::Count); ++combo) {
-    for (int n : sizes) {
-      for (int mode = 0; mode < 11; ++mode) {
-        const bool mx = (mode & 1) != 0, wd = (mode & 2) != 0;
-        const float lion_lr = mode == 9 ? -1e-2f : mode == 10 ? -0.0f : 1e-2f;
-        LionScalars ls{lion_lr, 0.9f, 0.99f, 0.1f, 0.01f, wd ? 0.999f : 1.0f, mx};
-        AdagradScalars as{1e-2f, 1e-10f, wd ? 0.1f : 0.0f, wd, mx};
-        RuleId id = mode < 4 || mode > 8 ? RuleId::Lion : mode < 8 ? RuleId::Adagrad : RuleId::Floor1;
-        const void* scalars = mode >= 4 && mode < 8 ? static_cast<const void*>(&as) : static_cast<const void*>(&ls);
-        std::vector<std::vector<uint8_t>> bufs[2];
-        for (int k = 0; k < 2; ++k) bufs[k].resize(3);
-        int es[3] = {elem[combo], elem[combo], state_elem[combo]};
-        for (int t = 0; t < 3; ++t) {  // zeros included: Lion's c = 0 path; Adagrad's state a sum of squares
-          bufs[0][t] = random_values(n, es[t], combo >= int(Combo::BF16_F32), t == 2 && id == RuleId::Adagrad, rng,
-                                     dist);
-          bufs[1][t] = bufs[0][t];
-        }
-        for (int k = 0; k < 2; ++k) {
-          const IsaTable& tab = k == 0 ? a : b;
-          Span sp{bufs[k][0].data(), bufs[k][1].data(), {bufs[k][2].data(), nullptr}, n};
-          SpanFn fn = tab.fn[int(id)][combo];
-          fn(sp, 0, n, scalars);
-          fn(sp, 0, n, scalars);
-        }
-        bool same = bufs[0] == bufs[1];
-        same ? ++passed : ++failed;
-        if (!same) std::printf("MISMATCH %s vs %s: one-state combo %d n %d mode %d\n", a.name, b.name, combo, n, mode);
-      }
-    }
-  }
-  // Stochastic rounding hashes the element index, whose low 32 bits wrap within a vector near
-  // 2^32 (the AVX-512 store's slow path). Spans there, reached through base pointers shifted back
-  // by `begin` elements: the kernel only ever touches elements begin to end - 1.
   for (int combo : {int(Combo::BF16SR_F32), int(Combo::BF16SR_BF16)}) {
+    int es[kTensors] = {2, 2};
+    for (int t = 2; t < kTensors; ++t) es[t] = state_elem[combo];
     for (int64_t begin : {(int64_t(1) << 32) - 45, (int64_t(1) << 32) - 16, (int64_t(3) << 32) - 1}) {
       const int n = 100;
-      AdamScalars s{0.9f, 0.999f, 0.1f, 0.001f, 1e-8f, 0.05f, 0.1f, 31.622776f, 0.9995f, 1u, 0u};
-      std::vector<std::vector<uint8_t>> bufs[2];
-      for (int k = 0; k < 2; ++k) bufs[k].resize(4);
-      int es[4] = {2, 2, state_elem[combo], state_elem[combo]};
-      for (int t = 0; t < 4; ++t) {
-        bufs[0][t] = random_values(n, es[t], true, t == 3, rng, dist);
-        bufs[1][t] = bufs[0][t];
-      }
+      std::vector<uint8_t> bufs[2][kTensors];
+      fill(bufs, n, es, true);
       for (int k = 0; k < 2; ++k) {
         auto at = [&](int t) { return static_cast<void*>(bufs[k][t].data() - begin * es[t]); };
-        Span sp{at(0), at(1), {at(2), at(3)}, begin + n};
-        sp.sr_key = 0x2545F491u;
-        SpanFn fn = (k == 0 ? a : b).fn[int(RuleId::Adam)][combo];
-        fn(sp, begin, begin + n, &s);
-        fn(sp, begin + 1, begin + n, &s);  // an odd start: the pair path's odd lanes at even indices
+        Span sp{at(0), at(1), {}, begin + n, 0x2545F491u};
+        for (int t = 0; t < States; ++t) sp.state[t] = at(2 + t);
+        SpanFn fn = (k == 0 ? a : b).fn[int(Id)][combo];
+        fn(sp, begin, begin + n, &ex.modes[0]);
+        fn(sp, begin + 1, begin + n, &ex.modes[0]);  // an odd start: the pair path's odd lanes at even indices
       }
-      bool same = bufs[0] == bufs[1];
-      same ? ++passed : ++failed;
-      if (!same) std::printf("MISMATCH %s vs %s: stochastic rounding combo %d from %lld\n", a.name, b.name, combo,
-                             static_cast<long long>(begin));
+      if (!compare(bufs[0], bufs[1]))
+        std::printf("MISMATCH %s vs %s: rule %s stochastic rounding combo %d from %lld\n", a.name, b.name, name,
+                    combo, static_cast<long long>(begin));
     }
   }
+  std::printf("rule %s: %d cases, %d mismatches\n", name, c.passed + c.failed, c.failed);
+  total.passed += c.passed;
+  total.failed += c.failed;
+}
+
+int main() {
+  const IsaTable a = isa_scalar::table(), b = MFA_NATIVE_NS::table();
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int> dist(-512, 512);
+  Counts total;
+  // Every rule of the list, the memory floors included.
+#define MFA_CHECK_RULE(id, name, functor, scalars, states) \
+  check_rule<RuleId::id, scalars, states>(name, a, b, rng, dist, total);
+  MFA_RULES(MFA_CHECK_RULE)
+#undef MFA_CHECK_RULE
+  int passed = total.passed, failed = total.failed;
   // 8-bit Adam (adam8bit_kernel.h): every param storage, both modes, whole and partial blocks,
   // on cubic maps (dense near +-1, sparse near 0, as the dynamic maps are).
   float v1[256], v2[256], m1[255], m2[255];
