@@ -44,8 +44,8 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple, Optional
 
 
 def _f32(x: float) -> float:
@@ -198,6 +198,46 @@ def adagrad_scalars(hp: AdagradHyper) -> AdagradScalars:
                           int(bool(hp.maximize)))
 
 
+# --- Examples: each rule's hyperparameters and inputs for the tests, the self-check, the benchmarks ---
+# One function per rule; ``weight_decay`` and ``maximize`` are the switches every rule has, ``lr``
+# the benchmarks' knob, ``mode`` a rule's own switches (Adam's ``adam_w_mode``).
+
+
+def _adam_example(step: int = 1, maximize: bool = False, weight_decay: float = 0.1, lr: float = 1e-2,
+                  **mode: Any) -> AdamHyper:
+    return AdamHyper(lr, 0.9, 0.999, 1e-8, weight_decay, step, maximize=maximize, **mode)
+
+
+def _lion_example(step: int = 1, maximize: bool = False, weight_decay: float = 0.1, lr: float = 1e-2) -> LionHyper:
+    return LionHyper(lr, 0.9, 0.99, weight_decay, maximize=maximize)
+
+
+def _adagrad_example(step: int = 1, maximize: bool = False, weight_decay: float = 0.1,
+                     lr: float = 1e-2) -> AdagradHyper:
+    return AdagradHyper(lr, 1e-10, weight_decay, step, lr_decay=0.01, maximize=maximize)
+
+
+@dataclass(frozen=True)
+class Example:
+    """A rule's example: what the tests, the self-check (selfcheck.py) and the benchmarks run it with.
+
+    ``hyper(step, maximize=False, weight_decay=0.1, lr=1e-2, **mode)``: the rule's hyperparameters
+    for the step ``step``; ``modes``: the self-check's two modes of each case, as keyword arguments
+    of ``hyper`` (by default with and without weight decay); ``nonnegative``: the states that are
+    never negative (Adam's ``exp_avg_sq``, Adagrad's ``sum``), which the tests draw from
+    ``0.01 * U[0, 1)`` (the others from ``0.1 * N(0, 1)``); ``optimizer``: the public class
+    (``mps_fused_adam.<optimizer>``) that runs the rule, and ``optimizer_kwargs``: its arguments
+    that give ``hyper(step)`` (plus any start of the states, e.g. Adagrad's
+    ``initial_accumulator_value``).
+    """
+
+    hyper: Callable[..., Any]
+    optimizer: str
+    optimizer_kwargs: dict = field(default_factory=dict, compare=False)
+    modes: tuple = field(default=({}, {"weight_decay": 0.0}), compare=False)
+    nonnegative: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True)
 class Rule:
     """One update rule: what every backend needs to know about it.
@@ -205,7 +245,8 @@ class Rule:
     ``states``: the state tensors' names, in kernel order (also the state dict keys);
     ``hyper``: its hyperparameter dataclass; ``scalars``: hyper -> the fp32 scalar tuple;
     ``struct_format``: :mod:`struct` format of the kernels' scalar struct (little-endian, as on
-    every Apple GPU and every CPU we build for).
+    every Apple GPU and every CPU we build for); ``example``: its :class:`Example` (every rule of
+    :data:`RULES` has one; the variants in lowbit.py, run by their own tests, do not).
     """
 
     name: str
@@ -213,6 +254,7 @@ class Rule:
     hyper: type
     scalars: Callable[[Any], tuple]
     struct_format: str
+    example: Optional[Example] = None
 
     def pack(self, hp: Any) -> bytes:
         """The rule's scalar struct as the C++ and Metal kernels read it."""
@@ -220,11 +262,25 @@ class Rule:
 
 
 RULES: dict[str, Rule] = {
-    "adam": Rule("adam", ("exp_avg", "exp_avg_sq"), AdamHyper, adam_scalars, "<9f2I"),
+    "adam": Rule("adam", ("exp_avg", "exp_avg_sq"), AdamHyper, adam_scalars, "<9f2I",
+                 Example(_adam_example, "AdamW", dict(lr=1e-2, weight_decay=0.1),
+                         modes=({"adam_w_mode": True}, {"adam_w_mode": False}), nonnegative=("exp_avg_sq",))),
     # State names are those of the optimizers Lion and Adagrad stand in for (lion_pytorch, torch).
-    "lion": Rule("lion", ("exp_avg",), LionHyper, lion_scalars, "<6fI"),
-    "adagrad": Rule("adagrad", ("sum",), AdagradHyper, adagrad_scalars, "<3f2I"),
+    "lion": Rule("lion", ("exp_avg",), LionHyper, lion_scalars, "<6fI",
+                 Example(_lion_example, "Lion", dict(lr=1e-2, weight_decay=0.1))),
+    "adagrad": Rule("adagrad", ("sum",), AdagradHyper, adagrad_scalars, "<3f2I",
+                    Example(_adagrad_example, "Adagrad",
+                            dict(lr=1e-2, lr_decay=0.01, weight_decay=0.1, initial_accumulator_value=0.1),
+                            nonnegative=("sum",))),
 }
+
+
+def example(name: str) -> Example:
+    """The :class:`Example` of rule ``name`` (a KeyError names the known rules)."""
+    ex = rule(name).example
+    if ex is None:
+        raise KeyError(f"update rule {name!r} has no example (contract.RULES)")
+    return ex
 
 
 def rule(name: str) -> Rule:
