@@ -20,6 +20,14 @@ def pair_id(pair) -> str:
     return "-".join(str(d).replace("torch.", "") for d in pair)
 
 
+def public_optimizer_names() -> list[str]:
+    """The optimizer classes mps_fused_adam exports (its public names that are torch optimizers):
+    a test that lists classes by hand checks its list against this one."""
+    import mps_fused_adam as mfa
+    return sorted(n for n in mfa.__all__
+                  if isinstance(getattr(mfa, n), type) and issubclass(getattr(mfa, n), torch.optim.Optimizer))
+
+
 def require_tool(*names: str) -> list[str]:
     """Paths of the named tools. Missing tools skip the test on a developer machine but fail it
     where MFA_REQUIRE_TOOLS=1, as .ci/run sets after installing them: a skipped check must never

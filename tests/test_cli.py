@@ -72,11 +72,12 @@ def test_check_only_json():
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)  # nothing but the JSON object on stdout
     assert set(report) == {"self_check", "passed"} and report["passed"] is True
+    from mps_fused_adam.contract import RULES
     from mps_fused_adam.selfcheck import AGREEMENT_BOUND, AGREEMENT_LABEL, PAIRS
     cpu_paths = [r for r in report["self_check"] if r["backend"].startswith("_cpu (")]
-    # Adam, Lion, Adagrad per dtype pair; 8-bit Adam x 3, stochastic rounding x 2; several tensors
-    # in one call; torch.optim.AdamW
-    per_path = len(PAIRS) * 3 + 5 + 1 + 1
+    # Every rule of contract.RULES per dtype pair; 8-bit Adam x 3, stochastic rounding x 2; several
+    # tensors in one call; torch.optim.AdamW
+    per_path = len(PAIRS) * len(RULES) + 5 + 1 + 1
     assert cpu_paths and len(cpu_paths) % per_path == 0
     paths = len(cpu_paths) // per_path
     assert sum(r["dtypes"].startswith(("adam8bit ", "adam-sr ")) for r in cpu_paths) == 5 * paths
@@ -176,6 +177,13 @@ def _check(after, device="cpu"):
     return list(check_backend(Tampered(after), device, "tampered"))
 
 
+def _cases() -> int:
+    """check_backend's cases: every rule of contract.RULES in every dtype pair of the self-check."""
+    from mps_fused_adam.contract import RULES
+    from mps_fused_adam.selfcheck import PAIRS
+    return len(RULES) * len(PAIRS)
+
+
 def test_a_nan_written_by_a_backend_fails_the_check():
     def nan(rule, params, states, old):
         params[0].view(-1)[7] = float("nan")
@@ -224,7 +232,7 @@ def test_params_not_written_or_moved_backwards_fail_every_case(after):
     the tolerance used off CPU must reject them too."""
     import dataclasses
     results = _check(after)
-    assert len(results) == 15 and all(r.exact_required and not r.passed for r in results)
+    assert len(results) == _cases() and all(r.exact_required and not r.passed for r in results)
     for r in results:
         loose = dataclasses.replace(r, exact_required=False)  # as an MPS backend is judged
         assert not loose.passed, r
@@ -235,7 +243,7 @@ def test_the_tolerance_off_cpu_admits_rounding_differences():
     import dataclasses
     from mps_fused_adam.selfcheck import UPDATE_BOUND
     results = _check(_one_ulp_off)
-    assert len(results) == 15
+    assert len(results) == _cases()
     for r in results:
         assert not r.passed  # on CPU only bit identity passes
         assert dataclasses.replace(r, exact_required=False).passed, r
@@ -296,7 +304,8 @@ def test_a_backend_that_raises_fails_its_cases_and_the_rest_still_runs(monkeypat
     assert lion and all(not r["passed"] and r["error"] == "RuntimeError: kernel exploded" for r in lion)
     others = [r for r in rows if r not in lion]
     assert all(r["passed"] and r["error"] is None for r in others)
-    assert sum(r["backend"] == "foreach" for r in others) == 17  # the next backend was still checked
+    # the next backend was still checked: each rule per dtype pair, several tensors, torch.optim.AdamW
+    assert sum(r["backend"] == "foreach" for r in others) == _cases() + 2
     assert cli.main(["--check"]) == 1
     out = capsys.readouterr().out
     assert re.search(r"FAIL _cpu .* lion float32/float32 +raised RuntimeError: kernel exploded", out) and "self-check(s) FAILED" in out

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from emulated_mps import METAL_SOURCE, Emulator, build_emulator, compile_emulator, find_compiler, host_names
-from mps_fused_adam.contract import RULES, AdagradHyper, AdamHyper, LionHyper
+from mps_fused_adam.contract import RULES, AdamHyper, example
 from mps_fused_adam import lowbit
 from mps_fused_adam.mps_backends import KERNELS, METAL_RULES, pack_params
 from mps_fused_adam.reference import reference_adam_
@@ -41,9 +41,8 @@ def emu() -> Emulator:
     return build_emulator()
 
 
-# One hyperparameter object per rule, for the checks that only need the struct's size.
-RULE_HYPER = {"adam": AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 1), "lion": LionHyper(1e-3, 0.9, 0.99, 0.1),
-              "adagrad": AdagradHyper(1e-2, 1e-10, 0.1, 1)}
+# One hyperparameter object per rule (its example, contract.Example), for the checks that only need the struct's size.
+RULE_HYPER = {name: example(name).hyper(1) for name in RULES}
 
 
 def hyper(step: int, **mode) -> AdamHyper:

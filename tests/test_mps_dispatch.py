@@ -17,7 +17,7 @@ import torch
 from conftest import choose_backend_afresh
 from emulated_mps import METAL_SOURCE, FakeMetalExt, FakeMpsApi, make_backend
 from mps_fused_adam import backends
-from mps_fused_adam.contract import AdamHyper, adam_scalars
+from mps_fused_adam.contract import RULES, AdamHyper, adam_scalars
 from mps_fused_adam.mps_backends import (KERNELS, MAX_THREADS_PER_DISPATCH, METALLIB_NAME,
                                          ShaderLibraryBackend, dispatch_plan, find_metal_source,
                                          mps_tiers, pack_params, params_as_words)
@@ -263,7 +263,9 @@ def test_library_without_bfloat_kernels_is_refused(emu, pkg):
     backend, msgs = _select(mps_tiers(load_ext=lambda: FakeMetalExt(emu), mps_api=FakeMpsApi(emu),
                                       package_dir=pkg, probe_device="cpu"))
     assert backend.name == "foreach"
-    missing = sorted([f"fused_{rule}_bfloat_{s}" for rule in ("adam", "adam_sr", "lion", "adagrad")
+    # Every kernel of a bfloat param: each rule of contract.RULES and Adam with stochastic rounding
+    # (fp32 and bf16 states), 8-bit Adam.
+    missing = sorted([f"fused_{rule}_bfloat_{s}" for rule in [*RULES, "adam_sr"]
                       for s in ("bfloat", "float")] + ["fused_adam8bit_bfloat_uchar"])
     assert f"lacks kernels {missing}" in msgs[2]
 

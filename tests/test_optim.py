@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import mps_fused_adam as mfa
+from conftest import public_optimizer_names
 from mps_fused_adam.contract import AdamHyper
 from mps_fused_adam.reference import reference_adam_
 
@@ -380,14 +381,27 @@ def test_load_state_dict_runs_torchs_hooks_in_torchs_order():
     assert results[mfa.AdamW][0] == ["pre", "post"] and results[mfa.AdamW][1][0] == (0.0, 1.0)
 
 
-@pytest.mark.parametrize("make", [
-    lambda ps: mfa.CPUAdam(ps, lr=1e-2, fp32_optimizer_states=False),
-    lambda ps: mfa.FusedAdam(ps, lr=1e-2, set_grad_none=False),
-    lambda ps: mfa.Lion(ps, lr=1e-3, weight_decay=0.1, decoupled_weight_decay=True),
-    lambda ps: mfa.FusedLion(ps, lr=1e-3, set_grad_none=False),
-    lambda ps: mfa.AdamW(ps, lr=1e-2),
-    lambda ps: mfa.Adagrad(ps, lr=1e-2),
-], ids=["CPUAdam", "FusedAdam", "Lion", "FusedLion", "AdamW", "Adagrad"])
+# The classes of one step path (optim.py), each with constructor options it keeps as attributes;
+# the 8-bit classes have their own tests (test_lowbit_optim.py).
+DEEPCOPY_CASES = {
+    "CPUAdam": lambda ps: mfa.CPUAdam(ps, lr=1e-2, fp32_optimizer_states=False),
+    "FusedAdam": lambda ps: mfa.FusedAdam(ps, lr=1e-2, set_grad_none=False),
+    "Lion": lambda ps: mfa.Lion(ps, lr=1e-3, weight_decay=0.1, decoupled_weight_decay=True),
+    "FusedLion": lambda ps: mfa.FusedLion(ps, lr=1e-3, set_grad_none=False),
+    "AdamW": lambda ps: mfa.AdamW(ps, lr=1e-2),
+    "Adagrad": lambda ps: mfa.Adagrad(ps, lr=1e-2),
+}
+
+
+def test_every_fused_optimizer_class_is_deep_copied():
+    """Every public class of optim.py's shared step path (a new rule's too) is in DEEPCOPY_CASES,
+    except Adam, which AdamW covers (same class body, another default)."""
+    from mps_fused_adam.optim import _FusedOptimizer
+    fused = [n for n in public_optimizer_names() if issubclass(getattr(mfa, n), _FusedOptimizer)]
+    assert sorted([*DEEPCOPY_CASES, "Adam"]) == fused
+
+
+@pytest.mark.parametrize("make", DEEPCOPY_CASES.values(), ids=DEEPCOPY_CASES.keys())
 def test_deepcopy_and_pickle_keep_constructor_options(make, tmp_path):
     """Options kept as attributes (DeepSpeed's and lion_pytorch's signatures) survive
     copy.deepcopy and torch.save/torch.load, and the copy trains as the original does."""

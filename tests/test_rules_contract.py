@@ -1,5 +1,6 @@
-"""The Lion and Adagrad contracts (contract.py / reference.py) against independent implementations:
-torch.optim.Adagrad, and Lion as lion_pytorch writes it.
+"""Every rule of contract.RULES is registered everywhere (test_rule_is_registered_everywhere), and the
+Lion and Adagrad contracts (contract.py / reference.py) against independent implementations:
+torch.optim.Adagrad, and Lion as lion_pytorch writes it (Adam's: test_contract.py).
 
 The reference is what every backend must match bit for bit; here it is checked to be the algorithm
 users know. The independent implementations round differently (torch's CPU add-with-alpha and
@@ -10,14 +11,73 @@ several steps, and a wrong rule (a halved learning rate, a dropped term) is far 
 from __future__ import annotations
 
 import os
+import struct
 
 import pytest
 import torch
 
-from mps_fused_adam.contract import AdagradHyper, LionHyper, adagrad_scalars, lion_scalars
+from mps_fused_adam.contract import RULES, AdagradHyper, LionHyper, adagrad_scalars, lion_scalars
 from mps_fused_adam.reference import lion_sign, reference_adagrad_, reference_lion_
 
 ULP = torch.finfo(torch.float32).eps
+
+# Each rule's independent implementation and the test (module, function) that checks the rule's
+# reference against it: a rule of contract.RULES without an entry fails test_rule_is_registered_everywhere.
+COUNTERPARTS = {
+    "adam": ("torch.optim.AdamW", "test_contract", "test_agreement_with_torch_adamw_got_no_worse"),
+    "lion": ("lion_pytorch.Lion", "test_rules_contract", "test_lion_reference_matches_lion_pytorch_class"),
+    "adagrad": ("torch.optim.Adagrad", "test_rules_contract", "test_adagrad_reference_matches_torch"),
+}
+# The (param, state) dtype pairs every rule has a Metal kernel for (Metal type names).
+METAL_PAIRS = [("float", "float"), ("half", "float"), ("half", "half"), ("bfloat", "float"), ("bfloat", "bfloat")]
+
+
+def _metal_instantiations() -> dict[str, set[tuple[str, str, str]]]:
+    """rule -> {(kernel shape, param type, state type)} from the instantiation lists of the shipped
+    Metal source, ``X(shape, RuleStruct, rule, P, S)`` (read, not preprocessed: both lists count)."""
+    import re
+    from emulated_mps import METAL_SOURCE
+    found: dict[str, set[tuple[str, str, str]]] = {}
+    for shape, name, p, st in re.findall(r"X\(\s*(\w+),\s*\w+,\s*(\w+),\s*(\w+),\s*(\w+)\s*\)",
+                                          METAL_SOURCE.read_text()):
+        found.setdefault(name, set()).add((shape, p, st))
+    return found
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_rule_is_registered_everywhere(rule):
+    """Every rule of contract.RULES has each piece a rule needs (contract.py's docstring lists
+    them): a forgotten registration fails here by name instead of going untested."""
+    import importlib
+    import mps_fused_adam as mfa
+    from mps_fused_adam import _cpu, backends, selfcheck
+    from mps_fused_adam.reference import REFERENCES
+    spec = RULES[rule]
+    assert rule in REFERENCES, f"{rule}: no reference in reference.REFERENCES"
+    assert rule in backends.ForeachBackend.RULES, f"{rule}: no foreach form in backends.ForeachBackend.RULES"
+    assert rule in _cpu.rules(), f"{rule}: the CPU kernel lacks it (src/cpu/adam_types.h, MFA_RULES)"
+    shape = f"fused_step_{len(spec.states)}"
+    want = {(shape, p, st) for p, st in METAL_PAIRS}
+    assert want <= _metal_instantiations().get(rule, set()), \
+        f"{rule}: Metal kernels missing from metal/fused_adam.metal: {sorted(want - _metal_instantiations().get(rule, set()))}"
+    ex = spec.example
+    assert ex is not None, f"{rule}: no example (contract.Example in its RULES entry)"
+    for step in (1, 2):
+        for maximize in (False, True):
+            for wd in (0.0, 0.1):
+                hp = ex.hyper(step, maximize=maximize, weight_decay=wd)
+                assert isinstance(hp, spec.hyper) and len(spec.pack(hp)) == struct.calcsize(spec.struct_format)
+                assert hp.maximize == maximize and hp.weight_decay == wd
+    assert set(ex.nonnegative) <= set(spec.states) and len(ex.modes) == 2
+    cls = getattr(mfa, ex.optimizer)
+    assert cls._rule == rule, f"{rule}: its example's optimizer {ex.optimizer} runs rule {cls._rule!r}"
+    opt = cls([torch.nn.Parameter(torch.zeros(3))], **ex.optimizer_kwargs)
+    assert opt._hyper(opt.param_groups[0], 2) == ex.hyper(2), f"{rule}: optimizer_kwargs do not give hyper(step)"
+    for flag in (True, False):  # the self-check's cases are the rule's own (once: Adagrad's for any rule)
+        assert isinstance(selfcheck._hypers(rule, 3, flag), spec.hyper)
+    assert rule in COUNTERPARTS, f"{rule}: no independent implementation checked against its reference (COUNTERPARTS)"
+    _, module, test = COUNTERPARTS[rule]
+    assert callable(getattr(importlib.import_module(module), test, None)), f"{rule}: {module}.{test} does not exist"
 
 
 def within_ulps(ours: torch.Tensor, theirs: torch.Tensor, scale: float, ulps: float = 8.0) -> float:

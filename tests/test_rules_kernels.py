@@ -1,6 +1,8 @@
-"""Lion and Adagrad on the CPU kernel (every SIMD path) and the foreach tier, against the reference.
+"""Every rule of contract.RULES but Adam (Lion, Adagrad; Adam's own tests: test_cpu_kernel.py,
+test_metal_emulator.py) on the CPU kernel (every SIMD path), the foreach tier and the Metal
+kernels, against the reference, with each rule's example (contract.Example).
 
-Both follow the contracts of contract.py operation for operation, so every result must equal the
+All follow the contracts of contract.py operation for operation, so every result must equal the
 reference bit for bit, in every (param, state) dtype pair, for NaN, infinities, signed zeros and
 denormals too. (The Metal kernels of the same rules: tests/test_metal_emulator.py.)
 """
@@ -11,35 +13,44 @@ import torch
 
 from mps_fused_adam import _cpu
 from mps_fused_adam.backends import CPUBackend, ForeachBackend
-from mps_fused_adam.contract import RULES, AdagradHyper, LionHyper
+from mps_fused_adam.contract import RULES, LionHyper, example
 from mps_fused_adam.reference import reference_step_
 
 from conftest import DTYPE_PAIRS, pair_id
 
-RULE_NAMES = ["lion", "adagrad"]
+# Adam has its own, deeper tests (test_cpu_kernel.py, test_metal_emulator.py); every other rule runs here.
+RULE_NAMES = [name for name in RULES if name != "adam"]
 SPECIALS = [float("nan"), float("inf"), -float("inf"), 1e-40, -1e-40, 0.0, -0.0, 6e-8, 65504.0, 1e30]
 
 
 def hyper(rule: str, step: int, maximize: bool = False, weight_decay: float = 0.1):
-    if rule == "lion":
-        return LionHyper(lr=1e-2, beta1=0.9, beta2=0.99, weight_decay=weight_decay, maximize=maximize)
-    return AdagradHyper(lr=1e-2, eps=1e-10, weight_decay=weight_decay, step=step, lr_decay=0.01, maximize=maximize)
+    return example(rule).hyper(step, maximize=maximize, weight_decay=weight_decay)
 
 
-def make(rule: str, n: int, pdtype, sdtype, seed: int = 0, specials: bool = False):
+def make(rule: str, n: int, pdtype, sdtype, seed: int = 0, specials: bool = False) -> list[torch.Tensor]:
+    """[param, grad, *states]: the states drawn as the rule's example says (non-negative ones from
+    0.01 * U[0, 1), the others from 0.1 * N(0, 1))."""
     gen = torch.Generator().manual_seed(seed)
     p = torch.randn(n, generator=gen).to(pdtype)
     g = (0.5 * torch.randn(n, generator=gen)).to(pdtype)
-    s = (0.1 * torch.randn(n, generator=gen) if rule == "lion" else 0.01 * torch.rand(n, generator=gen)).to(sdtype)
+    nonneg = [name in example(rule).nonnegative for name in RULES[rule].states]
+    states = [(0.01 * torch.rand(n, generator=gen) if pos else 0.1 * torch.randn(n, generator=gen)).to(sdtype)
+              for pos in nonneg]
     if specials:
         k = len(SPECIALS)
         sp = torch.tensor(SPECIALS)
         g[:k] = sp.to(pdtype)
         p[k:2 * k] = sp.to(pdtype)
-        s[2 * k:3 * k] = sp.abs().to(sdtype) if rule == "adagrad" else sp.to(sdtype)
         g[3 * k:4 * k] = 0.0  # Lion: c = beta1 * m exactly, and c = 0 where m = 0
-        s[3 * k:3 * k + 3] = 0.0
-    return p, g, s
+        for s, pos in zip(states, nonneg):
+            s[2 * k:3 * k] = sp.abs().to(sdtype) if pos else sp.to(sdtype)
+            s[3 * k:3 * k + 3] = 0.0
+    return [p, g, *states]
+
+
+def state_lists(tensors) -> list[list[torch.Tensor]]:
+    """The backends' state lists of one [param, grad, *states]."""
+    return [[s] for s in tensors[2:]]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -51,7 +62,8 @@ def assert_identical(ours, ref, what=""):
     its sign or payload: IEEE 754 leaves open which operand's NaN an operation returns (x86 returns
     the first, and a compiler may commute ``a + b``), and torch's own bf16 conversion writes 0xFFFF
     in its vector loop and 0x7FC0 in its scalar tail."""
-    for name, a, b in zip(("param", "grad", "state"), ours, ref):
+    assert len(ours) == len(ref)
+    for name, a, b in zip(("param", "grad", *(f"state {i}" for i in range(len(ours) - 2))), ours, ref):
         assert a.dtype == b.dtype
         na, nb = torch.isnan(a), torch.isnan(b)
         assert torch.equal(na, nb), f"{what}{name}: NaN in different places than the reference"
@@ -63,8 +75,8 @@ def run(backend, rule, tensors, steps, **kw):
     ref = [t.clone() for t in tensors]
     for step in range(1, steps + 1):
         hp = hyper(rule, step, **kw)
-        backend.update(rule, [ours[0]], [ours[1]], [[ours[2]]], hp)
-        reference_step_(rule, ref[0], ref[1], [ref[2]], hp)
+        backend.update(rule, [ours[0]], [ours[1]], state_lists(ours), hp)
+        reference_step_(rule, ref[0], ref[1], ref[2:], hp)
     return ours, ref
 
 
@@ -76,7 +88,7 @@ def test_cpu_kernel_matches_reference(simd, rule, pair, n, maximize, wd):
     tensors = make(rule, n, *pair, seed=n)
     ours, ref = run(CPUBackend(), rule, tensors, steps=3, maximize=maximize, weight_decay=wd)
     assert_identical(ours, ref, f"{simd} {rule}: ")
-    assert not torch.equal(ours[0], tensors[0]) and not torch.equal(ours[2], tensors[2])
+    assert not torch.equal(ours[0], tensors[0]) and all(not torch.equal(a, b) for a, b in zip(ours[2:], tensors[2:]))
 
 
 @pytest.mark.parametrize("rule", RULE_NAMES)
@@ -100,7 +112,7 @@ def test_simd_paths_agree_with_scalar(rule, pair):
             _cpu.set_simd_path(path)
             out = [t.clone() for t in tensors]
             for step in (1, 2):
-                CPUBackend().update(rule, [out[0]], [out[1]], [[out[2]]], hyper(rule, step))
+                CPUBackend().update(rule, [out[0]], [out[1]], state_lists(out), hyper(rule, step))
             results[path] = out
     finally:
         _cpu.set_simd_path(before)
@@ -146,12 +158,13 @@ def test_many_tensors_one_call_two_threads(rule):
     old = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        CPUBackend().update(rule, [t[0] for t in ours], [t[1] for t in ours], [[t[2] for t in ours]], hp)
+        CPUBackend().update(rule, [t[0] for t in ours], [t[1] for t in ours],
+                            [[t[k] for t in ours] for k in range(2, len(ours[0]))], hp)
     finally:
         torch.set_num_threads(old)
     for ts, out in zip(tensors, ours):
         ref = [t.clone() for t in ts]
-        reference_step_(rule, ref[0], ref[1], [ref[2]], hp)
+        reference_step_(rule, ref[0], ref[1], ref[2:], hp)
         assert_identical(out, ref)
 
 
@@ -166,21 +179,23 @@ def test_foreach_tier_matches_reference(rule, pair):
 @pytest.mark.parametrize("rule", RULE_NAMES)
 def test_cpu_rejects_wrong_state_count_and_struct(rule):
     blob = RULES[rule].pack(hyper(rule, 1))
-    with pytest.raises(ValueError, match=f"rule '{rule}' has 1 states; got 2 state lists"):
-        _cpu.step(rule, [], [], [[], []], [], 0, 0, blob, 1)
+    k = len(RULES[rule].states)
+    with pytest.raises(ValueError, match=f"rule '{rule}' has {k} states; got {k + 1} state lists"):
+        _cpu.step(rule, [], [], [[]] * (k + 1), [], 0, 0, blob, 1)
     with pytest.raises(ValueError, match=f"{len(blob)}-byte scalar struct; got {len(blob) - 4} bytes"):
-        _cpu.step(rule, [], [], [[]], [], 0, 0, blob[:-4], 1)
+        _cpu.step(rule, [], [], [[]] * k, [], 0, 0, blob[:-4], 1)
 
 
-# --- The Metal kernels (fused_lion_*, fused_adagrad_*), run by the host emulator and tiers 1-3 ---
+# --- The Metal kernels (fused_<rule>_*), run by the host emulator and tiers 1-3 ---
 
 def run_emulated(emu, rule, tensors, steps, **dispatch_kw):
     ours = [t.clone() for t in tensors]
     ref = [t.clone() for t in tensors]
     for step in range(1, steps + 1):
         hp = hyper(rule, step, maximize=step == 2)
-        emu.run_tensors(ours[0], ours[1], ours[2], None, RULES[rule].pack(hp), rule=rule, **dispatch_kw)
-        reference_step_(rule, ref[0], ref[1], [ref[2]], hp)
+        m, v = (ours[2:] + [None])[:2]  # the emulator's two state slots; v is None for one state
+        emu.run_tensors(ours[0], ours[1], m, v, RULES[rule].pack(hp), rule=rule, **dispatch_kw)
+        reference_step_(rule, ref[0], ref[1], ref[2:], hp)
     return ours, ref
 
 
@@ -191,7 +206,7 @@ def test_metal_kernel_matches_reference(emu, rule, pair, n):
     tensors = make(rule, n, *pair, seed=n, specials=n > 40)
     ours, ref = run_emulated(emu, rule, tensors, steps=3)
     assert_identical(ours, ref, f"fused_{rule} ")
-    assert not torch.equal(ours[2], tensors[2])
+    assert all(not torch.equal(a, b) for a, b in zip(ours[2:], tensors[2:]))
 
 
 @pytest.mark.parametrize("rule", RULE_NAMES)
@@ -217,7 +232,7 @@ def test_metal_one_state_shape_indices_past_2_pow_32(emu, rule):
     emu.dispatch(KERNELS[(rule, torch.float16, torch.float32)], addrs, RULES[rule].pack(hp), base, base + count,
                  -(-count // 4), 256)
     ref = [t.clone() for t in tensors]
-    reference_step_(rule, ref[0], ref[1], [ref[2]], hp)
+    reference_step_(rule, ref[0], ref[1], ref[2:], hp)
     assert_identical(ours, ref)
 
 
@@ -236,42 +251,45 @@ def test_mps_tiers_1_to_3_match_reference(emu, pkg, rule, pair):
     want = [[t.clone() for t in v] for v in views]
     for step in (1, 2):
         for v in want:
-            reference_step_(rule, v[0], v[1], [v[2]], hyper(rule, step))
+            reference_step_(rule, v[0], v[1], v[2:], hyper(rule, step))
     for tier in (1, 2, 3):
         got = [[t.clone() for t in v] for v in views]
         backend = make_backend(tier, pkg, emu)
         for step in (1, 2):
-            backend.update(rule, [v[0] for v in got], [v[1] for v in got], [[v[2] for v in got]], hyper(rule, step))
+            backend.update(rule, [v[0] for v in got], [v[1] for v in got],
+                           [[v[k] for v in got] for k in range(2, len(flat))], hyper(rule, step))
         for g, w in zip(got, want):
             assert_identical(g, w, f"tier {tier} ({backend.name}) {rule}: ")
 
 
 @pytest.mark.parametrize("tier", [1, 2, 3])
 def test_optimizer_classes_through_metal_tiers(monkeypatch, emu, pkg, tier):
-    """Lion and Adagrad, optimizer to Metal dispatch, on mixed dtypes and groups."""
+    """Each rule's public class (contract.Example.optimizer, with its example arguments), optimizer
+    to Metal dispatch, on mixed dtypes, against the reference with the rule's example hyperparameters."""
     import mps_fused_adam as mfa
     from emulated_mps import make_backend
     from mps_fused_adam import backends
     monkeypatch.setitem(backends._chosen, "cpu", make_backend(tier, pkg, emu))
-    for cls, kwargs, rule in ((mfa.Lion, dict(lr=1e-3, weight_decay=0.1), "lion"),
-                              (mfa.Adagrad, dict(lr=1e-2, lr_decay=0.01, weight_decay=0.1,
-                                                 initial_accumulator_value=0.1), "adagrad")):
+    for rule in RULE_NAMES:
+        ex = example(rule)
         gen = torch.Generator().manual_seed(3)
         params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(d))
                   for s, d in (((33, 7), torch.float32), ((4097,), torch.float16), ((5,), torch.bfloat16))]
-        init = 0.1 if rule == "adagrad" else 0.0
-        refs = [[p.detach().clone(), torch.full_like(p, init)] for p in params]
-        opt = cls(params, **kwargs)
+        opt = getattr(mfa, ex.optimizer)(params, **ex.optimizer_kwargs)
+        group = opt.param_groups[0]
+        # The states' start is the class's (Adagrad's initial_accumulator_value); the steps' hyperparameters
+        # are the example's, not the class's own _hyper.
+        refs = [[p.detach().clone()] + [opt._new_state(p, name, opt._state_dtype(p), group).clone()
+                                        for name in RULES[rule].states] for p in params]
         for step in (1, 2, 3):
             for p, r in zip(params, refs):
                 p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
-                hp = (LionHyper(lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.1) if rule == "lion" else
-                      AdagradHyper(lr=1e-2, eps=1e-10, weight_decay=0.1, step=step, lr_decay=0.01))
-                reference_step_(rule, r[0], p.grad, [r[1]], hp)
+                reference_step_(rule, r[0], p.grad, r[1:], ex.hyper(step))
             opt.step()
         for p, r in zip(params, refs):
             assert torch.equal(bits(p.detach()), bits(r[0])), (rule, p.dtype)
-            assert torch.equal(opt.state[p][RULES[rule].states[0]], r[1])
+            for name, want in zip(RULES[rule].states, r[1:]):
+                assert torch.equal(opt.state[p][name], want), (rule, name)
 
 
 def test_selfcheck_covers_every_rule():
@@ -280,5 +298,5 @@ def test_selfcheck_covers_every_rule():
     from mps_fused_adam.selfcheck import check_backend
     results = list(check_backend(CPUBackend(), "cpu", "_cpu", n=257))
     assert len(results) == 5 * len(RULES)
-    assert {r.dtypes.split()[0] for r in results if " " in r.dtypes} == {"lion", "adagrad"}
+    assert {r.dtypes.split()[0] for r in results if " " in r.dtypes} == set(RULES) - {"adam"}
     assert all(r.passed and r.bit_exact for r in results), [r for r in results if not r.bit_exact]

@@ -11,6 +11,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 import mps_fused_adam as mfa
 
+from conftest import public_optimizer_names
+
 CLASSES = {
     "AdamW": lambda ps: mfa.AdamW(ps, lr=1e-2, weight_decay=0.1),
     "Adam": lambda ps: mfa.Adam(ps, lr=1e-2),
@@ -22,6 +24,11 @@ CLASSES = {
     "AdamW8bit": lambda ps: mfa.AdamW8bit(ps, lr=1e-2, min_8bit_size=16),
     "Adam8bit": lambda ps: mfa.Adam8bit(ps, lr=1e-2, min_8bit_size=16),
 }
+
+
+def test_every_public_optimizer_class_is_listed():
+    """A new optimizer class (a new rule's) must be added to CLASSES, or it goes untested here."""
+    assert sorted(CLASSES) == public_optimizer_names()
 
 
 def _params(seed: int = 0) -> list[torch.nn.Parameter]:

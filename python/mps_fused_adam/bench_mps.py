@@ -15,19 +15,30 @@ from typing import Callable
 import torch
 
 from . import lowbit
-from .contract import AdagradHyper, AdamHyper, LionHyper
+from .contract import RULES, AdamHyper, example
 from .timing import bytes_per_elem, interleaved
 
-# Rules after Adam: (rule, param dtype, state dtype). Bytes per element: bytes_moved().
-RULE_CASES = [("lion", torch.float32, torch.float32), ("adagrad", torch.float32, torch.float32),
-              ("adam_sr", torch.bfloat16, torch.float32), ("adam8bit", torch.float32, torch.uint8),
-              ("adam8bit", torch.bfloat16, torch.uint8)]
+# Rules after Adam: (rule, param dtype, state dtype): every other rule of contract.RULES in fp32,
+# then the low-bit variants. Bytes per element: bytes_moved().
+RULE_CASES = ([(name, torch.float32, torch.float32) for name in RULES if name != "adam"]
+              + [("adam_sr", torch.bfloat16, torch.float32), ("adam8bit", torch.float32, torch.uint8),
+                 ("adam8bit", torch.bfloat16, torch.uint8)])
+
+
+def bench_hyper(rule: str, step: int):
+    """A rule's hyperparameters in the benchmarks: its example (contract.Example) without weight
+    decay, as torch's optimizers default to (Adagrad's L2 term is skipped at 0)."""
+    return example(rule).hyper(step, weight_decay=0.0)
+
+
+def _state_count(rule: str) -> int:
+    return len(RULES[rule].states) if rule in RULES else len(lowbit.ADAM_SR.states)
 
 def bytes_moved(rule: str, pdtype: torch.dtype, sdtype: torch.dtype) -> float:
     """Bytes one step of ``rule`` moves per element (reads and writes; 8-bit: codes and scales)."""
     if rule == "adam8bit":
         return 3 * pdtype.itemsize + 2 * 2 * (1 + 4 / lowbit.BLOCK)
-    return bytes_per_elem(pdtype, sdtype, 1 if rule in ("lion", "adagrad") else 2)
+    return bytes_per_elem(pdtype, sdtype, _state_count(rule))
 
 
 def _rule_contenders(rule: str, tensors: list[torch.Tensor], pdtype, sdtype,
@@ -47,16 +58,13 @@ def _rule_contenders(rule: str, tensors: list[torch.Tensor], pdtype, sdtype,
                   [torch.zeros(lowbit.num_blocks(n), device=tensors[0].device)],
                   [lowbit.kernel_table(True, tensors[0].device)], [lowbit.kernel_table(False, tensors[0].device)]]
     else:
-        count = 1 if rule in ("lion", "adagrad") else 2
-        states = [[torch.zeros_like(t, dtype=sdtype) for t in tensors] for _ in range(count)]
+        states = [[torch.zeros_like(t, dtype=sdtype) for t in tensors] for _ in range(_state_count(rule))]
 
     def hyper():
         step[0] += 1
         adam = AdamHyper(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=step[0])
-        if rule == "lion":
-            return LionHyper(lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.01)
-        if rule == "adagrad":
-            return AdagradHyper(lr=1e-2, eps=1e-10, weight_decay=0.0, step=step[0])
+        if rule in RULES:
+            return bench_hyper(rule, step[0])
         if rule == "adam_sr":
             return lowbit.AdamSRHyper(adam, lowbit.sr_key(1234, step[0]))
         sr = lowbit.sr_key(1234, step[0]) if pdtype is torch.bfloat16 else None

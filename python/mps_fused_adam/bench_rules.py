@@ -1,7 +1,8 @@
 """Benchmark of the one-state rules: ``python -m mps_fused_adam.bench_rules [--quick] [--threads N ...]``.
 
-Lion and Adagrad move param, grad and one state per element (3 reads, 2 in-place writes). Each
-case times, interleaved (timing.py): ours (the optimizer classes ``Lion``/``Adagrad``, or with fp32
+The one-state rules of contract.RULES (Lion, Adagrad) move param, grad and one state per element
+(3 reads, 2 in-place writes). Each case times, interleaved (timing.py): ours (the rule's optimizer
+class, contract.Example.optimizer: ``Lion``/``Adagrad``, or with fp32
 states of bf16 params, which only DeepSpeed's CPU ops ask for, one backend call as those ops make),
 the memory floor of that access pattern (the kernel's own span loop and thread pool with trivial
 math: rule ``floor1``), and torch's ``Adagrad`` (``foreach`` and ``fused``) and lion_pytorch's
@@ -17,15 +18,19 @@ from typing import Callable, Optional
 
 import torch
 
-from . import Adagrad, Lion, backend_info
+import mps_fused_adam
+
+from . import backend_info
 from .backends import get_backend
 from .bench import (DTYPE_CASES, HEADER, Row, _floor_fn, _params, _print_rows, floor_available, floor_missing_note,
                     positive_int, share_states)
-from .contract import RULES, AdagradHyper, LionHyper
+from .bench_mps import bench_hyper
+from .contract import RULES, example
 from .timing import bytes_per_elem, interleaved
 
-HYPER = {"lion": LionHyper(lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.01),
-         "adagrad": AdagradHyper(lr=1e-2, eps=1e-10, weight_decay=0.0, step=1)}
+# The rules this benchmark runs: those with one state (the floor, rule ``floor1``, has one).
+ONE_STATE_RULES = [name for name, r in RULES.items() if len(r.states) == 1]
+HYPER = {name: bench_hyper(name, 1) for name in ONE_STATE_RULES}
 
 
 def _contenders(rule: str, params, pdtype, sdtype) -> dict[str, Callable[[], None]]:
@@ -33,7 +38,7 @@ def _contenders(rule: str, params, pdtype, sdtype) -> dict[str, Callable[[], Non
     found: dict[str, Callable[[], None]] = {}
     name = RULES[rule].states[0]
     if sdtype == pdtype:
-        ours = Lion(params, lr=1e-4, weight_decay=0.01) if rule == "lion" else Adagrad(params)
+        ours = getattr(mps_fused_adam, example(rule).optimizer)(params)  # the class's defaults, as torch's below
         ours.step()  # creates the state the others then share
         states = [ours.state[p][name] for p in params]
         found["ours"] = ours.step
@@ -95,7 +100,7 @@ def rules_section(rules: list[str], flat: int, many: tuple[int, int], thread_cou
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, few repeats")
-    ap.add_argument("--rules", nargs="*", default=["lion", "adagrad"], choices=["lion", "adagrad"])
+    ap.add_argument("--rules", nargs="*", default=ONE_STATE_RULES, choices=ONE_STATE_RULES)
     ap.add_argument("--threads", type=positive_int, nargs="*", help="thread counts (default: 1 and all)")
     ap.add_argument("--repeats", type=positive_int, help="interleaved rounds per case")
     args = ap.parse_args(argv)

@@ -21,31 +21,57 @@ Adam (v2), host::
 
 The element math is stated once, in ``reference.reference_adam_``.
 
-How to add an update rule (Lion, Adagrad, ...): a local change in five places, each one entry.
+How to add an update rule (Lion, Adagrad, ...): a local change, one entry in each of these places.
 
-1. Here: a frozen hyperparameter dataclass, a ``NamedTuple`` of the fp32 scalars in the order of
-   the kernels' struct, a function computing them (double on the host, rounded once) and a
-   :class:`Rule` entry in :data:`RULES` (its state names, its struct format, that function).
+1. Here: a frozen hyperparameter dataclass (with ``weight_decay`` and ``maximize`` fields), a
+   ``NamedTuple`` of the fp32 scalars in the order of the kernels' struct, a function computing
+   them (double on the host, rounded once), an example function ``(step, maximize=False,
+   weight_decay=0.1, lr=1e-2) -> hyper`` and a :class:`Rule` entry in :data:`RULES`: its state
+   names, its struct format, that function and its :class:`Example` (the example function, the
+   public class's name and the arguments that give the example, the states that are never
+   negative, the self-check's two modes if not "with and without weight decay").
 2. ``reference.py``: ``reference_<rule>_`` in plain separate fp32 torch ops, listed in
    ``REFERENCES``; the docstring above it is the rule's element contract.
-3. ``src/cpu/rules.h``: a functor with ``kStates``, its ``Scalars`` struct and
-   ``operator()(F& p, F g, F* s)``, added to ``MFA_RULES`` (the span loop, the thread pool and
-   the tables are generic: every ISA x dtype pair is instantiated from that list).
-4. ``metal/fused_adam.metal``: a ``struct <Rule>Rule`` with ``kStates``, ``Params`` and an
-   inline ``apply``, and its lines in the instantiation lists (host names ``fused_<rule>_<P>_<S>``).
-   The ``.mm`` and the tests' emulator take kernel names and buffers, nothing rule-specific.
-5. ``backends.ForeachBackend``: the rule's foreach form (or leave it to the reference-checked
-   kernels and let the foreach tier raise for it).
+3. ``src/cpu/adam_types.h``: the scalar struct (a ``static_assert`` on its size) and a line in
+   ``MFA_RULES``; ``src/cpu/rules.h``: a functor with ``kStates``, ``Scalars`` and
+   ``operator()(F& p, F g, F* s)`` (the span loop, the thread pool and the tables are generic:
+   every ISA x dtype pair is instantiated from that list).
+4. ``metal/fused_adam.metal``: a ``<Rule>Params`` struct, a ``struct <Rule>Rule`` with
+   ``kStates``, ``Params`` and an inline ``apply``, and its five lines in the instantiation lists
+   (float/float, half/float, half/half; bfloat/float, bfloat/bfloat under Metal 3.1; host names
+   ``fused_<rule>_<P>_<S>``). The ``.mm`` and the tests' emulator take kernel names and buffers,
+   nothing rule-specific.
+5. ``backends.ForeachBackend.RULES``: the rule's foreach form.
+6. ``optim.py``: the public class (``_rule``, ``_state_dict_kind``, the constructor,
+   ``_check_group``, ``_hyper``, ``_new_state`` when a state does not start at 0), its
+   ``validate.check_<rule>_hyperparameters``, and its name in ``__init__._PUBLIC``.
+7. Tests: an entry in ``tests/test_rules_contract.COUNTERPARTS`` naming the independent
+   implementation (torch's or a reference package's optimizer) and the test that checks the
+   reference against it (written with it); the class in ``tests/test_step_entry.CLASSES`` and
+   ``tests/test_optim.DEEPCOPY_CASES``; parity tests of the class against its counterpart
+   (state dicts, options: as test_optim_rules.py does for Lion and Adagrad).
+
+Everything else follows from :data:`RULES` and the rule's :class:`Example`: the CPU kernel on
+every SIMD path, the foreach tier, the Metal kernels (emulated) and Metal tiers 1-3, and the
+class through those tiers (tests/test_rules_kernels.py, every rule but Adam, whose deeper tests are
+test_cpu_kernel.py and test_metal_emulator.py), the kernel-name and struct-size checks
+(test_metal_emulator.py), the self-check (``python -m mps_fused_adam --check``, selfcheck.py) and
+its counts (test_cli.py), and the benchmarks (bench_mps.py; bench_rules.py for one-state rules).
+A forgotten piece of 1-7 fails loudly: tests/test_rules_contract.test_rule_is_registered_everywhere
+checks each rule of :data:`RULES` for its reference, foreach form, CPU kernel (``_cpu.rules()``),
+Metal instantiations in all five dtype pairs, example, public class, self-check case and
+counterpart; test_step_entry and test_optim check their class lists against the package's public
+classes. (Still by hand: the counterpart test itself and the class's parity tests.)
 
 The backends take ``(rule name, params, grads, [state lists], hyper)``; the optimizer classes
-name their rule. The tests loop over :data:`RULES`, so a new rule is checked everywhere at once.
+name their rule.
 """
 from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple, Optional
 
 
 def _f32(x: float) -> float:
@@ -198,6 +224,46 @@ def adagrad_scalars(hp: AdagradHyper) -> AdagradScalars:
                           int(bool(hp.maximize)))
 
 
+# --- Examples: each rule's hyperparameters and inputs for the tests, the self-check, the benchmarks ---
+# One function per rule; ``weight_decay`` and ``maximize`` are the switches every rule has, ``lr``
+# the benchmarks' knob, ``mode`` a rule's own switches (Adam's ``adam_w_mode``).
+
+
+def _adam_example(step: int = 1, maximize: bool = False, weight_decay: float = 0.1, lr: float = 1e-2,
+                  **mode: Any) -> AdamHyper:
+    return AdamHyper(lr, 0.9, 0.999, 1e-8, weight_decay, step, maximize=maximize, **mode)
+
+
+def _lion_example(step: int = 1, maximize: bool = False, weight_decay: float = 0.1, lr: float = 1e-2) -> LionHyper:
+    return LionHyper(lr, 0.9, 0.99, weight_decay, maximize=maximize)
+
+
+def _adagrad_example(step: int = 1, maximize: bool = False, weight_decay: float = 0.1,
+                     lr: float = 1e-2) -> AdagradHyper:
+    return AdagradHyper(lr, 1e-10, weight_decay, step, lr_decay=0.01, maximize=maximize)
+
+
+@dataclass(frozen=True)
+class Example:
+    """A rule's example: what the tests, the self-check (selfcheck.py) and the benchmarks run it with.
+
+    ``hyper(step, maximize=False, weight_decay=0.1, lr=1e-2, **mode)``: the rule's hyperparameters
+    for the step ``step``; ``modes``: the self-check's two modes of each case, as keyword arguments
+    of ``hyper`` (by default with and without weight decay); ``nonnegative``: the states that are
+    never negative (Adam's ``exp_avg_sq``, Adagrad's ``sum``), which the tests draw from
+    ``0.01 * U[0, 1)`` (the others from ``0.1 * N(0, 1)``); ``optimizer``: the public class
+    (``mps_fused_adam.<optimizer>``) that runs the rule, and ``optimizer_kwargs``: its arguments
+    that give ``hyper(step)`` (plus any start of the states, e.g. Adagrad's
+    ``initial_accumulator_value``).
+    """
+
+    hyper: Callable[..., Any]
+    optimizer: str
+    optimizer_kwargs: dict = field(default_factory=dict, compare=False)
+    modes: tuple = field(default=({}, {"weight_decay": 0.0}), compare=False)
+    nonnegative: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True)
 class Rule:
     """One update rule: what every backend needs to know about it.
@@ -205,7 +271,8 @@ class Rule:
     ``states``: the state tensors' names, in kernel order (also the state dict keys);
     ``hyper``: its hyperparameter dataclass; ``scalars``: hyper -> the fp32 scalar tuple;
     ``struct_format``: :mod:`struct` format of the kernels' scalar struct (little-endian, as on
-    every Apple GPU and every CPU we build for).
+    every Apple GPU and every CPU we build for); ``example``: its :class:`Example` (every rule of
+    :data:`RULES` has one; the variants in lowbit.py, run by their own tests, do not).
     """
 
     name: str
@@ -213,6 +280,7 @@ class Rule:
     hyper: type
     scalars: Callable[[Any], tuple]
     struct_format: str
+    example: Optional[Example] = None
 
     def pack(self, hp: Any) -> bytes:
         """The rule's scalar struct as the C++ and Metal kernels read it."""
@@ -220,11 +288,25 @@ class Rule:
 
 
 RULES: dict[str, Rule] = {
-    "adam": Rule("adam", ("exp_avg", "exp_avg_sq"), AdamHyper, adam_scalars, "<9f2I"),
+    "adam": Rule("adam", ("exp_avg", "exp_avg_sq"), AdamHyper, adam_scalars, "<9f2I",
+                 Example(_adam_example, "AdamW", dict(lr=1e-2, weight_decay=0.1),
+                         modes=({"adam_w_mode": True}, {"adam_w_mode": False}), nonnegative=("exp_avg_sq",))),
     # State names are those of the optimizers Lion and Adagrad stand in for (lion_pytorch, torch).
-    "lion": Rule("lion", ("exp_avg",), LionHyper, lion_scalars, "<6fI"),
-    "adagrad": Rule("adagrad", ("sum",), AdagradHyper, adagrad_scalars, "<3f2I"),
+    "lion": Rule("lion", ("exp_avg",), LionHyper, lion_scalars, "<6fI",
+                 Example(_lion_example, "Lion", dict(lr=1e-2, weight_decay=0.1))),
+    "adagrad": Rule("adagrad", ("sum",), AdagradHyper, adagrad_scalars, "<3f2I",
+                    Example(_adagrad_example, "Adagrad",
+                            dict(lr=1e-2, lr_decay=0.01, weight_decay=0.1, initial_accumulator_value=0.1),
+                            nonnegative=("sum",))),
 }
+
+
+def example(name: str) -> Example:
+    """The :class:`Example` of rule ``name`` (a KeyError names the known rules)."""
+    ex = rule(name).example
+    if ex is None:
+        raise KeyError(f"update rule {name!r} has no example (contract.RULES)")
+    return ex
 
 
 def rule(name: str) -> Rule:

@@ -416,9 +416,9 @@ def _stochastic_round_step(device: torch.device, ps: list, gs: list, ms: list, v
         reference_adam_sr_(p, g, m, v, hp, key)
 
 
-def _reject(option: str, value: Any, cls: str) -> None:
-    plain = "Adagrad" if cls == "Adagrad" else "Adam"
-    raise ValueError(f"{cls} does not support {option}={value!r}; mps_fused_adam implements plain {plain} "
+def _reject(option: str, value: Any, cls: str, algorithm: str) -> None:
+    """An option of torch's class ``cls`` that this package's ``cls`` (which runs ``algorithm``) does not implement."""
+    raise ValueError(f"{cls} does not support {option}={value!r}; mps_fused_adam implements plain {algorithm} "
                      f"(use torch.optim.{cls} for {option})")
 
 
@@ -447,7 +447,7 @@ class Adam(_AdamBase):
     def _check_unsupported(self, amsgrad: bool, capturable: bool, differentiable: bool) -> None:
         for option, value in (("amsgrad", amsgrad), ("capturable", capturable), ("differentiable", differentiable)):
             if value:
-                _reject(option, value, self._name)
+                _reject(option, value, self._name, "Adam")
 
 
 class AdamW(Adam):
@@ -592,7 +592,7 @@ class Adagrad(_FusedOptimizer):
                  foreach: Optional[bool] = None, *, maximize: bool = False, differentiable: bool = False,
                  fused: Optional[bool] = None) -> None:
         if differentiable:
-            _reject("differentiable", differentiable, "Adagrad")
+            _reject("differentiable", differentiable, "Adagrad", "Adagrad")
         super().__init__(params, dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
                                       initial_accumulator_value=initial_accumulator_value, eps=eps,
                                       maximize=maximize))

@@ -1,8 +1,9 @@
 """Self-check of every available backend against the reference (used by ``python -m mps_fused_adam``).
 
-Each backend runs three steps of each update rule (Adam, Lion, Adagrad; on the CPU kernel's SIMD
-paths and the Metal tiers also 8-bit Adam and bf16 stochastic rounding) in each mode, from the
-same start as the reference, and is judged by what the README promises for it:
+Each backend runs three steps of each update rule of contract.RULES (Adam, Lion, Adagrad), with
+the rule's example hyperparameters (contract.Example), and on the CPU kernel's SIMD paths and the
+Metal tiers also 8-bit Adam and bf16 stochastic rounding, in each mode, from the same start as
+the reference, and is judged by what the README promises for it:
 
 - on CPU (every SIMD path of the ``_cpu`` kernel, and the foreach tier) the results must equal the
   reference bit for bit;
@@ -27,7 +28,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from .backends import ForeachBackend, get_backend
-from .contract import RULES, AdagradHyper, AdamHyper, LionHyper
+from .contract import RULES, AdamHyper, example
 from .reference import reference_adam_, reference_step_
 
 # The params start at randn * PARAM_SCALE (|p| up to about 0.2) and three steps at lr 1e-2 move
@@ -94,12 +95,10 @@ def _scale(ref: torch.Tensor) -> float:
 
 
 def _hypers(rule: str, step: int, flag: bool) -> Any:
-    """Three steps of each rule in two modes (``flag``), maximize on the third step."""
-    if rule == "adam":
-        return AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.1, step, adam_w_mode=flag, maximize=step == 3)
-    if rule == "lion":
-        return LionHyper(1e-2, 0.9, 0.99, 0.1 if flag else 0.0, maximize=step == 3)
-    return AdagradHyper(1e-2, 1e-10, 0.1 if flag else 0.0, step, lr_decay=0.01, maximize=step == 3)
+    """Three steps of each rule in its two modes (``flag``: the first of contract's
+    ``Example.modes``), maximize on the third step, with the rule's example hyperparameters."""
+    ex = example(rule)
+    return ex.hyper(step, maximize=step == 3, **ex.modes[0 if flag else 1])
 
 
 def check_backend(backend: Any, device: str, label: str, n: int = 4099) -> Iterator[CheckResult]:

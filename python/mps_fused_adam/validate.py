@@ -10,43 +10,45 @@ from .backends import SUPPORTED_DTYPES
 _SUPPORTED_NAMES = "float32, float16 or bfloat16"
 
 
-def check_hyperparameters(lr: Any, betas: Any, eps: Any, weight_decay: Any, where: str = "") -> None:
-    """The checks of ``torch.optim.AdamW``, with the same messages, plus the group they concern."""
-    suffix = f" (in {where})" if where else ""
+def _nonnegative(value: Any, what: str, suffix: str) -> None:
+    """torch's check of a hyperparameter that must be >= 0, with its message ("Invalid <what>: ...")."""
+    if not 0.0 <= float(value):
+        raise ValueError(f"Invalid {what}: {float(value)}{suffix}")
+
+
+def _lr(lr: Any, suffix: str) -> None:
+    """The learning rate: a number or a one-element tensor, non-negative (every rule's first check)."""
     if isinstance(lr, torch.Tensor) and lr.numel() != 1:
         raise ValueError(f"Tensor lr must be 1-element{suffix}")
-    if not 0.0 <= float(lr):
-        raise ValueError(f"Invalid learning rate: {float(lr)}{suffix}")
-    if not 0.0 <= float(eps):
-        raise ValueError(f"Invalid epsilon value: {float(eps)}{suffix}")
+    _nonnegative(lr, "learning rate", suffix)
+
+
+def _betas(betas: Any, suffix: str) -> tuple[Any, Any]:
     try:
         beta1, beta2 = betas
     except (TypeError, ValueError):
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}{suffix}") from None
+    return beta1, beta2
+
+
+def check_hyperparameters(lr: Any, betas: Any, eps: Any, weight_decay: Any, where: str = "") -> None:
+    """The checks of ``torch.optim.AdamW``, with the same messages, plus the group they concern."""
+    suffix = f" (in {where})" if where else ""
+    _lr(lr, suffix)
+    _nonnegative(eps, "epsilon value", suffix)
+    beta1, beta2 = _betas(betas, suffix)
     if not 0.0 <= float(beta1) < 1.0:
         raise ValueError(f"Invalid beta parameter at index 0: {float(beta1)}{suffix}")
     if not 0.0 <= float(beta2) < 1.0:
         raise ValueError(f"Invalid beta parameter at index 1: {float(beta2)}{suffix}")
-    if not 0.0 <= float(weight_decay):
-        raise ValueError(f"Invalid weight_decay value: {float(weight_decay)}{suffix}")
-
-
-def _nonnegative(value: Any, what: str, suffix: str) -> None:
-    if not 0.0 <= float(value):
-        raise ValueError(f"Invalid {what}: {float(value)}{suffix}")
+    _nonnegative(weight_decay, "weight_decay value", suffix)
 
 
 def check_lion_hyperparameters(lr: Any, betas: Any, weight_decay: Any, where: str = "") -> None:
     """Lion's hyperparameters: lr and weight decay non-negative, both betas in [0, 1] (lion_pytorch's range)."""
     suffix = f" (in {where})" if where else ""
-    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-        raise ValueError(f"Tensor lr must be 1-element{suffix}")
-    _nonnegative(lr, "learning rate", suffix)
-    try:
-        beta1, beta2 = betas
-    except (TypeError, ValueError):
-        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}{suffix}") from None
-    for i, beta in enumerate((beta1, beta2)):
+    _lr(lr, suffix)
+    for i, beta in enumerate(_betas(betas, suffix)):
         if not 0.0 <= float(beta) <= 1.0:
             raise ValueError(f"Invalid beta parameter at index {i}: {float(beta)}{suffix}")
     _nonnegative(weight_decay, "weight_decay value", suffix)
@@ -56,13 +58,10 @@ def check_adagrad_hyperparameters(lr: Any, lr_decay: Any, weight_decay: Any, ini
                                   eps: Any, where: str = "") -> None:
     """The checks of ``torch.optim.Adagrad``, with the same messages, plus the group they concern."""
     suffix = f" (in {where})" if where else ""
-    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-        raise ValueError(f"Tensor lr must be 1-element{suffix}")
-    _nonnegative(lr, "learning rate", suffix)
-    _nonnegative(lr_decay, "lr_decay value", suffix)
-    _nonnegative(weight_decay, "weight_decay value", suffix)
-    _nonnegative(initial_accumulator_value, "initial_accumulator_value value", suffix)
-    _nonnegative(eps, "epsilon value", suffix)
+    _lr(lr, suffix)
+    for value, what in ((lr_decay, "lr_decay value"), (weight_decay, "weight_decay value"),
+                        (initial_accumulator_value, "initial_accumulator_value value"), (eps, "epsilon value")):
+        _nonnegative(value, what, suffix)
 
 
 def describe(p: torch.Tensor, name: str) -> str:
