@@ -530,7 +530,8 @@ def test_json_carries_the_benchmark_notes_and_warnings(monkeypatch, capsys):
                        else "avx2")
     monkeypatch.delitem(backends._chosen, "cpu")  # chosen again, in the command: the warning comes then
     monkeypatch.setattr(cli, "self_check", lambda echo: [])  # checked elsewhere; keeps this test short
-    assert cli.main(["--json"]) == 0
+    with pytest.warns(RuntimeWarning, match="MPS_FUSED_ADAM_SIMD="):  # still warned, as well as recorded
+        assert cli.main(["--json"]) == 0
     captured = capsys.readouterr()
     report = _strict_json(captured.out)
     assert report["benchmark_notes"][0].startswith("speed vs torch fused") and "only 3 rounds" in report["benchmark_notes"][0]

@@ -409,6 +409,7 @@ def test_adam_rollback_of_an_id_not_created_inverts_the_adamw_form(cpu_op):
         assert err < 1e-5, f"{name} not restored: relative error {err:.2e}"
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")  # torch's notice, not ours
 @pytest.mark.parametrize("layout", ["csr", "coo", "mkldnn"])
 def test_non_strided_tensors_rejected_before_any_group_is_written(cpu_op, layout):
     """A call whose later (device, dtype) group holds a sparse or mkldnn tensor must fail in
