@@ -32,15 +32,18 @@ How to add an update rule (Lion, Adagrad, ...): a local change, one entry in eac
    negative, the self-check's two modes if not "with and without weight decay").
 2. ``reference.py``: ``reference_<rule>_`` in plain separate fp32 torch ops, listed in
    ``REFERENCES``; the docstring above it is the rule's element contract.
-3. ``src/cpu/adam_types.h``: the scalar struct (a ``static_assert`` on its size) and a line in
+3. ``src/cpu/adam_types.h``: the scalar struct, its fields named and ordered as the
+   ``NamedTuple`` (tests/test_scalar_layouts.py; a ``static_assert`` on its size), and a line in
    ``MFA_RULES``; ``src/cpu/rules.h``: a functor with ``kStates``, ``Scalars`` and
    ``operator()(F& p, F g, F* s)`` (the span loop, the thread pool and the tables are generic:
-   every ISA x dtype pair is instantiated from that list).
-4. ``metal/fused_adam.metal``: a ``<Rule>Params`` struct, a ``struct <Rule>Rule`` with
-   ``kStates``, ``Params`` and an inline ``apply``, and its five lines in the instantiation lists
-   (float/float, half/float, half/half; bfloat/float, bfloat/bfloat under Metal 3.1; host names
-   ``fused_<rule>_<P>_<S>``). The ``.mm`` and the tests' emulator take kernel names and buffers,
-   nothing rule-specific.
+   every ISA x dtype pair is instantiated from that list); ``tests/native/isa_parity.cpp``: an
+   ``examples(Tag<RuleId::X>)`` overload (the NEON-under-qemu and native x86 parity run loops
+   over ``MFA_RULES``; a rule without examples does not compile there).
+4. ``metal/fused_adam.metal``: a ``<Rule>Params`` struct (fields as the ``NamedTuple``), a
+   ``struct <Rule>Rule`` with ``kStates``, ``Params`` and an inline ``apply``, and one line in
+   ``FUSED_RULES`` (its state count picks the kernel shape; every dtype pair, bfloat under Metal
+   3.1, follows; host names ``fused_<rule>_<P>_<S>``). The ``.mm`` and the tests' emulator take
+   kernel names and buffers, nothing rule-specific.
 5. ``backends.ForeachBackend.RULES``: the rule's foreach form.
 6. ``optim.py``: the public class (``_rule``, ``_state_dict_kind``, the constructor,
    ``_check_group``, ``_hyper``, ``_new_state`` when a state does not start at 0), its
@@ -56,7 +59,7 @@ every SIMD path, the foreach tier, the Metal kernels (emulated) and Metal tiers 
 class through those tiers (tests/test_rules_kernels.py, every rule but Adam, whose deeper tests are
 test_cpu_kernel.py and test_metal_emulator.py), the kernel-name and struct-size checks
 (test_metal_emulator.py), the self-check (``python -m mps_fused_adam --check``, selfcheck.py) and
-its counts (test_cli.py), and the benchmarks (bench_mps.py; bench_rules.py for one-state rules).
+its counts (test_cli.py), the scalar layouts (test_scalar_layouts.py), and the benchmarks (bench_mps.py; bench_rules.py for one-state rules).
 A forgotten piece of 1-7 fails loudly: tests/test_rules_contract.test_rule_is_registered_everywhere
 checks each rule of :data:`RULES` for its reference, foreach form, CPU kernel (``_cpu.rules()``),
 Metal instantiations in all five dtype pairs, example, public class, self-check case and
