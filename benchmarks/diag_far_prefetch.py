@@ -5,7 +5,7 @@ same tensors; Adam in its three dtype cases, Lion and Adagrad in fp32 and bf16. 
 relative to the floor without the far prefetch (above 1 is faster); "ours/floor" compares ours
 with the floor of the same prefetch.
 
-``python benchmarks/diag_far_prefetch.py [--size N] [--threads 1 4 16] [--repeats R] [--far BYTES]``
+``python benchmarks/diag_far_prefetch.py [--size N] [--threads 1 4 16] [--repeats R] [--far BYTES] [--dtypes bf16/bf16 ...]``
 (``--far``: the distance to measure, for every case; default 8 times the near distance, the choice
 on Intel for fp32 states)."""
 import argparse
@@ -32,6 +32,7 @@ def main():
     ap.add_argument("--threads", type=int, nargs="+", default=sorted({1, os.cpu_count()}))
     ap.add_argument("--repeats", type=int, default=11)
     ap.add_argument("--far", type=int, default=None)
+    ap.add_argument("--dtypes", nargs="+", default=None, help="only these cases, e.g. bf16/bf16")
     a = ap.parse_args()
     print(f"# {platform.machine()}, {_cpu.simd_path()}, torch {torch.__version__}, {os.cpu_count()} CPUs; "
           f"flat {a.size} elements, median of {a.repeats} interleaved rounds")
@@ -41,6 +42,7 @@ def main():
     cases = [("adam", label, pd, sd) for label, pd, sd in DTYPE_CASES]
     cases += [(rule, label, pd, pd) for rule in ("lion", "adagrad")
               for label, pd in (("fp32", torch.float32), ("bf16/bf16", torch.bfloat16))]
+    cases = [c for c in cases if a.dtypes is None or c[1] in a.dtypes]
     for rule, label, pd, sd in cases:
         params = _params(1, a.size, pd)
         found = (_contenders(params, pd, sd, deepspeed=False, foreach=False) if rule == "adam"
