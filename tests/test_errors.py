@@ -171,28 +171,49 @@ def test_load_state_dict_rejects_moments_of_the_wrong_shape():
     assert not ours.state and ours.param_groups[0]["lr"] == 5e-4
 
 
-@pytest.mark.parametrize("saved_step", [-1, torch.tensor(-1.0)], ids=["int", "torch-tensor"])
+@pytest.mark.parametrize("saved_step, shown", [(-1, "-1"), (torch.tensor(-1.0), r"tensor\(-1.0\)"), (2.5, "2.5"),
+                                               (float("nan"), "nan"), ("3", "'3'")],
+                         ids=["int", "torch-tensor", "fraction", "nan", "str"])
 @pytest.mark.parametrize("cls", [mfa.AdamW, mfa.CPUAdam])
-def test_loaded_negative_step_rejected_and_nothing_changes(cls, saved_step):
-    """A checkpoint whose 'step' is -1 (ours keep an int, torch's a tensor) is not a count of
-    steps taken: the next step refuses it, naming the parameter and the value, and writes nothing
-    (a step count of 0 would divide by 1 - beta1**0 = 0)."""
+def test_loaded_step_that_is_no_count_rejected_at_load(cls, saved_step, shown):
+    """A checkpoint whose 'step' is not a count of steps taken (-1, a fraction, NaN, a string;
+    ours keep an int, torch's a tensor) is refused by load_state_dict itself, naming the
+    parameter and the value, and nothing is loaded (a step count of -1 would reach the kernels as
+    1 - beta1**-1)."""
     model = torch.nn.Linear(4, 2)
     sd = copy.deepcopy(_trained(torch.optim.AdamW, model).state_dict())
     sd["state"][0]["step"] = saved_step
     ours = cls(model.named_parameters() if cls is mfa.AdamW else model.parameters())
-    ours.load_state_dict(sd)
     params = list(model.parameters())
     for p in params:
         p.grad = torch.randn_like(p)
+    ours.step()
     snap = snapshot(ours, params)
     who = r"weight \(shape \(2, 4\), float32, cpu\)" if cls is mfa.AdamW else \
         r"param_groups\[0\]\['params'\]\[0\] \(shape \(2, 4\), float32, cpu\)"
-    with pytest.raises(ValueError, match=rf"^{who}: optimizer state 'step' is -1 \(int\); expected the number "
-                                         rf"of steps taken, a non-negative int$"):
+    with pytest.raises(ValueError, match=rf"^{who}: the state dict's 'step' is {shown}; expected the number "
+                                         rf"of steps taken, a non-negative whole number$"):
+        ours.load_state_dict(sd)
+    assert_unchanged(ours, params, snap)
+    assert ours.state[params[0]]["step"] == 1
+
+
+def test_negative_step_set_by_hand_rejected_at_the_next_step():
+    """A step count set to -1 by hand (not through load_state_dict): the next step refuses it,
+    naming the parameter and the value, and writes nothing."""
+    model = torch.nn.Linear(4, 2)
+    ours = mfa.AdamW(model.named_parameters())
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    ours.step()
+    ours.state[params[0]]["step"] = -1
+    snap = snapshot(ours, params)
+    with pytest.raises(ValueError, match=r"^weight \(shape \(2, 4\), float32, cpu\): optimizer state 'step' is -1 "
+                                         r"\(int\); expected the number of steps taken, a non-negative int$"):
         ours.step()
     assert_unchanged(ours, params, snap)
-    assert ours.state[params[1]]["step"] == 1  # the other param's state did not move either
+    assert ours.state[params[1]]["step"] == 1
 
 
 def test_load_state_dict_rejects_what_is_not_a_state_dict():

@@ -1,6 +1,7 @@
 """Checks run on a whole step before any tensor is written, so a rejected step changes nothing."""
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
@@ -123,6 +124,17 @@ def check_step(p: torch.Tensor, state: Mapping[str, Any], name: str) -> None:
                          f"expected the number of steps taken, a non-negative int")
 
 
+def check_saved_step(p: torch.Tensor, step: Any, name: str) -> None:
+    """A state dict's ``step``: a count of steps taken, as ours (an int) or torch's (a one-element
+    tensor) save it; rejected at load, not at the next step, when it is none."""
+    value = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < 0 or value != int(value):
+        shown = f"tensor({value!r})" if isinstance(step, torch.Tensor) and step.numel() == 1 else repr(step)
+        raise ValueError(f"{describe(p, name)}: the state dict's 'step' is {shown}; expected the number of steps "
+                         f"taken, a non-negative whole number")
+
+
 def check_group_param_dtypes(group: Mapping[str, Any], gi: int) -> None:
     """Every parameter of ``param_groups[gi]`` must have a dtype the kernels have (the check made
     when a group is added)."""
@@ -189,5 +201,7 @@ def check_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict[str,
                 if st[k].shape != p.shape:
                     raise ValueError(f"{describe(p, name)}: the state dict's '{k}' has shape {tuple(st[k].shape)}; "
                                      f"expected {tuple(p.shape)}")
+            if "step" in st:
+                check_saved_step(p, st["step"], name)
             if check_saved_state is not None:
                 check_saved_state(p, st, name)
