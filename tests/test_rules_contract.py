@@ -33,14 +33,21 @@ METAL_PAIRS = [("float", "float"), ("half", "float"), ("half", "half"), ("bfloat
 
 
 def _metal_instantiations() -> dict[str, set[tuple[str, str, str]]]:
-    """rule -> {(kernel shape, param type, state type)} from the instantiation lists of the shipped
-    Metal source, ``X(shape, RuleStruct, rule, P, S)`` (read, not preprocessed: both lists count)."""
+    """rule -> {(kernel shape, param type, state type)} that a Metal 3.1 compiler instantiates from
+    the shipped source: preprocessed first (the instantiation macros expanded, bfloat included),
+    then each ``[[host_name("fused_" "<rule>" ...)]] ... decltype(<shape><Rule, P, S>)`` read."""
     import re
-    from emulated_mps import METAL_SOURCE
+    import subprocess
+    from emulated_mps import METAL_SOURCE, find_compiler
+    proc = subprocess.run([find_compiler(), "-E", "-P", "-x", "c++", "-D__METAL_VERSION__=310",
+                           "-DFUSED_ADAM_HOST_EMULATOR", "-"], input=METAL_SOURCE.read_text(),
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
     found: dict[str, set[tuple[str, str, str]]] = {}
-    for shape, name, p, st in re.findall(r"X\(\s*(\w+),\s*\w+,\s*(\w+),\s*(\w+),\s*(\w+)\s*\)",
-                                          METAL_SOURCE.read_text()):
+    for name, shape, p, st in re.findall(r'host_name\(\s*"fused_"\s*"(\w+)"[^)]*\)\s*\]\]\s*\[\[\s*kernel\s*\]\]\s*'
+                                         r'decltype\(\s*(\w+)\s*<\s*\w+\s*,\s*(\w+)\s*,\s*(\w+)\s*>', proc.stdout):
         found.setdefault(name, set()).add((shape, p, st))
+    assert found, "no kernel instantiations found in the preprocessed Metal source"
     return found
 
 
