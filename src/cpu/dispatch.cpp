@@ -110,8 +110,8 @@ void set_prefetch_bytes(int bytes) {
 
 // The far prefetch, measured on the 16-core Intel Xeon in one process against the near one alone
 // (benchmarks/diag_far_prefetch.py, far_prefetch_xeon16.txt): 8 times the near distance ahead, into
-// L2, made the cases with fp32 states 4 to 19% faster at 1, 4 and 16 threads (Adam fp32 and bf16
-// params with fp32 states, Lion and Adagrad fp32), and their trivial-math floor too; with bf16
+// L2, made the cases with fp32 states 3 to 20% faster at 1, 4 and 16 threads (Adam fp32 and bf16
+// params with fp32 states, Lion and Adagrad fp32), and mostly their trivial-math floor too; with bf16
 // states it moved between -5% and +7%, so they keep the near prefetch alone. Intel x86 only: on
 // the 2-core AMD EPYC it slowed fp32 and moved bf16/bf16 between -17% and +29% from run to run
 // (far_prefetch_2core.txt); Arm was not measured.
