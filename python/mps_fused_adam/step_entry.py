@@ -15,12 +15,14 @@ torch's own code.
 Under ``torch.compile`` (``torch.compile(opt.step)``, or a compiled training step that calls it,
 as PyTorch's optimizer tutorial shows) the step runs eagerly: it is one fused kernel call already,
 and Dynamo cannot trace the extension's methods (it called a nanobind method without its ``self``
-and the step failed with a ``TypeError``). ``torch.compiler.disable`` costs about 0.2
-microseconds per step (the 2-core EPYC), outside compilation too: Dynamo compiles each new frame
-below a frame it gave up on, so a check of ``is_compiling()`` in the entry reads False there."""
+and the step failed with a ``TypeError``). Once ``torch._dynamo`` is loaded, the entry
+goes through ``torch.compiler.disable``, about 0.2 microseconds per step (the 2-core EPYC),
+whether or not this call is compiled: Dynamo compiles each new frame below a frame it gave up on,
+so ``is_compiling()`` read in the entry says False there and cannot tell."""
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -59,7 +61,17 @@ def fast_step_entry(step: _F) -> _F:
                 return hooked(self, *args, **kwargs)
         return step(self, *args, **kwargs)
 
-    # Run eagerly, with every frame below it, whenever Dynamo is active (see the module docstring).
-    public = torch.compiler.disable(entry)
+    eager: list = []  # torch.compiler.disable(entry), made once torch._dynamo is loaded
+
+    def public(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        # Only where torch._dynamo is loaded can torch.compile be tracing this call; importing it
+        # here would cost about a second on the first step (tests/test_optim.py).
+        if "torch._dynamo" in sys.modules:
+            if not eager:
+                eager.append(torch.compiler.disable(entry))
+            return eager[0](self, *args, **kwargs)
+        return entry(self, *args, **kwargs)
+
+    functools.update_wrapper(public, step)
     public.hooked = True  # type: ignore[attr-defined]  # torch's _patch_step_function skips it
     return public  # type: ignore[return-value]
