@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from . import step_plan, validate
+from . import dtensor, step_plan, validate
 from .step_entry import fast_step_entry
 from .backends import SUPPORTED_DTYPES, get_backend, update_staged
 from .contract import RULES, AdagradHyper, AdamHyper, LionHyper
@@ -259,10 +259,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
             bucket = buckets.get(key)
             if bucket is None:
                 bucket = buckets[key] = tuple([] for _ in range(nstates + 3))
-            bucket[0].append(p)
-            bucket[1].append(p.grad)
+            # A DTensor param's new states are DTensors like it (zeros_like): its shards are stepped.
+            bucket[0].append(dtensor.local(p))
+            bucket[1].append(dtensor.local(p.grad))
             for k, name in enumerate(names):
-                bucket[2 + k].append(st[name])
+                bucket[2 + k].append(dtensor.local(st[name]))
             bucket[-1].append(st)
         sr = bool(group.get("bf16_stochastic_round"))
         for (device, pdtype, _, last_step), bucket in buckets.items():
@@ -298,6 +299,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
         self._plans_snapshot = native.DictSnapshot(self.state)
         self._plans_state_dtype = self._fixed_state_dtype
 
+    @staticmethod
+    def _param_name(group: dict[str, Any], gi: int, pi: int) -> str:
+        """How errors name a param: its name where the optimizer was given named parameters."""
+        pnames = group.get("param_names")
+        return pnames[pi] if pnames else f"param_groups[{gi}]['params'][{pi}]"
+
     def _plan_group(self, gi: int, group: dict[str, Any]) -> tuple[dict[str, Any], list, dict]:
         """Validate one group; return it, its params that need new state, and its kernel calls
         keyed by (device, param dtype, state dtype, step count so far)."""
@@ -310,6 +317,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
         buckets: dict[tuple, tuple] = {}
         fixed_sd = self._fixed_state_dtype
         cpu = _CPU
+        # FSDP2 / tensor-parallel params: their local shards are stepped (dtensor.py). Without
+        # torch.distributed.tensor loaded there is no DTensor to look for.
+        dt_cls = dtensor.dtensor_type()
         for pi, p in enumerate(params):
             g = p.grad
             if g is None:
@@ -343,11 +353,20 @@ class _FusedOptimizer(torch.optim.Optimizer):
             except AttributeError:
                 ok = False
             if not ok:
-                pnames = group.get("param_names")
-                name = pnames[pi] if pnames else f"param_groups[{gi}]['params'][{pi}]"
-                validate.check_param(p, g, name, only)
+                validate.check_param(p, g, self._param_name(group, gi, pi), only)
                 if st is not None:
-                    validate.check_state(p, st, name, self._state_dtype(p), names)
+                    validate.check_state(p, st, self._param_name(group, gi, pi), self._state_dtype(p), names)
+            if dt_cls is not None and (isinstance(p, dt_cls) or isinstance(g, dt_cls)
+                                       or any(isinstance(t, dt_cls) for t in states or ())):
+                if isinstance(p, dt_cls):
+                    name = self._param_name(group, gi, pi)
+                    dtensor.check_like_param(p, g, name, "grad")
+                    for state_name, t in zip(names, states or ()):
+                        dtensor.check_like_param(p, t, name, f"state {state_name!r}")
+                    if st is not None:
+                        p, g, states = p.to_local(), g.to_local(), [t.to_local() for t in states]
+                else:
+                    dtensor.check_plain(p, g, states or (), self._param_name(group, gi, pi), names)
             if st is None:
                 fresh.append((p, pi, slots))
                 continue

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from . import lowbit, validate
+from . import dtensor, lowbit, validate
 from .contract import AdamHyper
 from .lowbit import MIN_8BIT_SIZE, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE, num_blocks
 from .backends import CPUBackend, get_backend, update_staged
@@ -162,10 +162,16 @@ class _Adam8bitBase(torch.optim.Optimizer):
                                            where=f"param_groups[{gi}]")
             _check_group_options(group, f"param_groups[{gi}]")
             names = group.get("param_names")
+            dt_cls = dtensor.dtensor_type() if dtensor.any_dtensor(group["params"]) else None
             for pi, p in enumerate(group["params"]):
                 if p.grad is None or p.numel() == 0:
                     continue
                 name = names[pi] if names else f"param_groups[{gi}]['params'][{pi}]"
+                if dt_cls is not None and isinstance(p, dt_cls):
+                    # Blocks of 256 over each rank's shard would quantize other blocks than over
+                    # the whole tensor, and the codes and scales are no DTensors to checkpoint.
+                    raise ValueError(f"{name}: {type(self).__name__} does not step DTensor params (FSDP2, "
+                                     f"tensor parallel); AdamW, Adam, Lion and Adagrad do")
                 validate.check_param(p, p.grad, name, None)
                 st = self.state.get(p)
                 if st:

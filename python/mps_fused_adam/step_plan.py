@@ -44,6 +44,7 @@ from typing import Any, Optional
 
 import torch
 
+from . import dtensor
 from .backends import Addressed
 
 
@@ -140,8 +141,11 @@ def _addressed(tensors: list[torch.Tensor], addresses: list[int], with_numels: b
 
 def build(native_module: Any, params: list, state: Any, state_names: tuple[str, ...]) -> Optional[Plan]:
     """The plan of a group whose step has just passed the full validation, or None when the group
-    cannot be planned (a non-contiguous param or state tensor: those go through staging copies).
+    cannot be planned (a non-contiguous param or state tensor: those go through staging copies;
+    a DTensor param, whose local shards the full path steps: dtensor.py).
     ``state_names``: the update rule's state keys (``contract.RULES``), in kernel order."""
+    if dtensor.any_dtensor(params):
+        return None
     state_get = state.get
     rows = []
     idle: list = []
