@@ -559,3 +559,29 @@ def test_state_tensor_changed_in_place_is_seen(how):
     with pytest.raises(ValueError, match=r"\['params'\]\[1\].*optimizer state 'exp_avg(_sq)?' is"):
         m.opt.step()
     assert all(torch.equal(p.detach(), b) for p, b in zip(m.params, before))
+
+
+def test_no_leak_warnings_at_exit_with_optimizer_in_backward():
+    """PyTorch's optimizer-in-backward pattern: each param's post-accumulate-grad hook holds its
+    optimizer, so the step plans are alive when the interpreter tears the extension down. nanobind
+    printed "leaked N instances" there, at the exit of a correct program; the steps must also be
+    the ordinary ones."""
+    import subprocess
+    import sys
+    code = ("import torch, mps_fused_adam as mfa\n"
+            "torch.manual_seed(0)\n"
+            "a = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))\n"
+            "b = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)); b.load_state_dict(a.state_dict())\n"
+            "opts = {p: mfa.AdamW([p], lr=1e-2) for p in a.parameters()}\n"
+            "def hook(p):\n"
+            "    opts[p].step(); opts[p].zero_grad()\n"
+            "for p in a.parameters(): p.register_post_accumulate_grad_hook(hook)\n"
+            "ob = mfa.AdamW(b.parameters(), lr=1e-2)\n"
+            "for _ in range(3):\n"
+            "    x = torch.randn(4, 8)\n"
+            "    a(x).sum().backward()\n"
+            "    b(x).sum().backward(); ob.step(); ob.zero_grad()\n"
+            "print(all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters())))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "True"
+    assert "leaked" not in proc.stderr, proc.stderr
