@@ -116,6 +116,19 @@ def run(rank, world, port, out):
         result["DTensor grad of a plain param"] = _error(mfa.AdamW([p_plain]).step)
         p.grad = distribute_tensor(torch.ones(p.shape), mesh, p.placements)
         result["8-bit"] = _error(mfa.AdamW8bit(sharded.parameters(), min_8bit_size=16).step)
+        # A DTensor grad, or state, of a plain param under the 8-bit optimizers, which refused only
+        # DTensor params: the grad crashed the kernel (SIGSEGV), the state failed after the step
+        # had been counted.
+        p_plain.grad = distribute_tensor(torch.ones(p_plain.shape), mesh, p.placements)
+        result["8-bit DTensor grad of a plain param"] = _error(mfa.AdamW8bit([p_plain], min_8bit_size=16).step)
+        p_plain.grad = torch.ones(p_plain.shape)
+        opt8 = mfa.AdamW8bit([p_plain], min_8bit_size=1 << 20)  # fp32 moments
+        opt8.step()
+        plain_before = p_plain.detach().clone()
+        opt8.state[p_plain]["exp_avg"] = distribute_tensor(torch.zeros(p_plain.shape), mesh, p.placements)
+        result["8-bit DTensor state of a plain param"] = _error(opt8.step)
+        result["8-bit unchanged after the errors"] = (bool(torch.equal(p_plain, plain_before))
+                                                      and opt8.state[p_plain]["step"] == 1)
 
         # Grads from a real backward through FSDP2: the same input on every rank, so the averaged
         # grads are the unsharded model's.

@@ -64,6 +64,15 @@ def test_8bit_refuses_dtensor_params(found):
     assert "AdamW8bit does not step DTensor params" in found["8-bit"]
 
 
+def test_8bit_refuses_dtensor_grads_and_states_of_plain_params(found):
+    """Only DTensor params were refused: a DTensor grad of a plain param crashed the 8-bit kernel
+    (SIGSEGV, the param's global size read from a local shard), and a DTensor state failed in the
+    kernel call ('tensor 0 has address 0') after the step had been counted."""
+    assert "but its grad is a DTensor" in found["8-bit DTensor grad of a plain param"]
+    assert "but its state 'exp_avg' is a DTensor" in found["8-bit DTensor state of a plain param"]
+    assert found["8-bit unchanged after the errors"] is True
+
+
 def test_grads_from_a_backward_through_fsdp2(found):
     # The same input on every rank: the averaged grads are the unsharded model's, so the steps are.
     assert found["backward through FSDP2"] == 0.0
