@@ -130,6 +130,16 @@ def run(rank, world, port, out):
         result["8-bit unchanged after the errors"] = (bool(torch.equal(p_plain, plain_before))
                                                       and opt8.state[p_plain]["step"] == 1)
 
+        # bf16 stochastic rounding draws its bits per index of the local shard from a seed of each
+        # rank's RNG: refused for bf16 DTensor params (replicas of a Replicate param drifted apart).
+        torch.manual_seed(1000 + rank)
+        rep = torch.nn.Parameter(distribute_tensor(torch.ones(8, 4, dtype=torch.bfloat16), mesh, [Replicate()]))
+        rep.grad = distribute_tensor(torch.full((8, 4), 0.5, dtype=torch.bfloat16), mesh, [Replicate()])
+        opt_sr = mfa.AdamW([rep], lr=1e-2, bf16_stochastic_round=True)
+        result["stochastic rounding"] = _error(opt_sr.step)
+        ones = torch.ones(8, 4, dtype=torch.bfloat16)
+        result["stochastic rounding unchanged"] = bool(torch.equal(rep.to_local(), ones)) and not opt_sr.state[rep]
+
         # Grads from a real backward through FSDP2: the same input on every rank, so the averaged
         # grads are the unsharded model's.
         full, sharded = _models(torch.float32, mesh)

@@ -73,6 +73,14 @@ def test_8bit_refuses_dtensor_grads_and_states_of_plain_params(found):
     assert found["8-bit unchanged after the errors"] is True
 
 
+def test_stochastic_rounding_refuses_bf16_dtensor_params(found):
+    """Its random bits follow the local shard's element index and a seed from each rank's RNG:
+    replicas of a Replicate param drifted apart, so bf16 DTensor params are refused, unchanged."""
+    assert "bf16_stochastic_round=True does not step bf16 DTensor params" in found["stochastic rounding"]
+    assert found["stochastic rounding"].startswith("param_groups[0]['params'][0]: ")
+    assert found["stochastic rounding unchanged"] is True
+
+
 def test_grads_from_a_backward_through_fsdp2(found):
     # The same input on every rank: the averaged grads are the unsharded model's, so the steps are.
     assert found["backward through FSDP2"] == 0.0

@@ -320,6 +320,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         # FSDP2 / tensor-parallel params: their local shards are stepped (dtensor.py). Without
         # torch.distributed.tensor loaded there is no DTensor to look for.
         dt_cls = dtensor.dtensor_type()
+        sr_group = bool(group.get("bf16_stochastic_round"))
         for pi, p in enumerate(params):
             g = p.grad
             if g is None:
@@ -360,6 +361,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
                                        or any(isinstance(t, dt_cls) for t in states or ())):
                 if isinstance(p, dt_cls):
                     name = self._param_name(group, gi, pi)
+                    if sr_group and dt is torch.bfloat16:
+                        # The random bits are drawn per element index of the tensor stepped, here the
+                        # local shard, and the seed from each rank's RNG: replicas of a Replicate
+                        # param would drift apart, and shards would not round as the whole does.
+                        raise ValueError(f"{name}: bf16_stochastic_round=True does not step bf16 DTensor params "
+                                         f"(FSDP2, tensor parallel); keep fp32 params or leave the option off")
                     dtensor.check_like_param(p, g, name, "grad")
                     for state_name, t in zip(names, states or ()):
                         dtensor.check_like_param(p, t, name, f"state {state_name!r}")
