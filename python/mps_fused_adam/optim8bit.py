@@ -162,18 +162,24 @@ class _Adam8bitBase(torch.optim.Optimizer):
                                            where=f"param_groups[{gi}]")
             _check_group_options(group, f"param_groups[{gi}]")
             names = group.get("param_names")
-            dt_cls = dtensor.dtensor_type() if dtensor.any_dtensor(group["params"]) else None
+            dt_cls = dtensor.dtensor_type()
             for pi, p in enumerate(group["params"]):
                 if p.grad is None or p.numel() == 0:
                     continue
                 name = names[pi] if names else f"param_groups[{gi}]['params'][{pi}]"
-                if dt_cls is not None and isinstance(p, dt_cls):
-                    # Blocks of 256 over each rank's shard would quantize other blocks than over
-                    # the whole tensor, and the codes and scales are no DTensors to checkpoint.
-                    raise ValueError(f"{name}: {type(self).__name__} does not step DTensor params (FSDP2, "
-                                     f"tensor parallel); AdamW, Adam, Lion and Adagrad do")
-                validate.check_param(p, p.grad, name, None)
                 st = self.state.get(p)
+                if dt_cls is not None:
+                    if isinstance(p, dt_cls):
+                        # Blocks of 256 over each rank's shard would quantize other blocks than over
+                        # the whole tensor, and the codes and scales are no DTensors to checkpoint.
+                        raise ValueError(f"{name}: {type(self).__name__} does not step DTensor params (FSDP2, "
+                                         f"tensor parallel); AdamW, Adam, Lion and Adagrad do")
+                    # A DTensor grad or state of a plain param (a sharded state dict loaded into an
+                    # unsharded model, say) has the param's global shape but no storage of that size:
+                    # the kernel read past its local shard and crashed.
+                    tensors = [(k, v) for k, v in (st or {}).items() if isinstance(v, torch.Tensor)]
+                    dtensor.check_plain(p, p.grad, [v for _, v in tensors], name, [k for k, _ in tensors])
+                validate.check_param(p, p.grad, name, None)
                 if st:
                     _check_state(p, st, name)
                 work.append((group, p))
