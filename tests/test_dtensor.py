@@ -54,6 +54,7 @@ def test_worker_covers_every_optimizer(found):
 
 def test_misplaced_grads_are_refused_naming_the_param(found):
     assert "its grad must be laid out as the param" in found["replicated grad"]
+    assert "grad.redistribute(p.device_mesh, p.placements) gives it that layout" in found["replicated grad"]
     assert "Replicate()" in found["replicated grad"] and "Shard(dim=0)" in found["replicated grad"]
     assert "so its grad must be one laid out alike; got a Tensor" in found["plain grad"]
     assert "but its grad is a DTensor" in found["DTensor grad of a plain param"]

@@ -52,10 +52,18 @@ def check_like_param(p: torch.Tensor, t: Any, name: str, what: str) -> None:
     if t.device_mesh != p.device_mesh or tuple(t.placements) != tuple(p.placements):
         raise ValueError(f"{name}: its {what} must be laid out as the param, on mesh {p.device_mesh} with "
                          f"placements {tuple(p.placements)}; got mesh {t.device_mesh} with placements "
-                         f"{tuple(t.placements)}")
+                         f"{tuple(t.placements)} ({what_fix(what)})")
     if t.to_local().shape != p.to_local().shape:
         raise ValueError(f"{name}: its {what}'s local shape must be the param's, {tuple(p.to_local().shape)}; "
                          f"got {tuple(t.to_local().shape)}")
+
+
+def what_fix(what: str) -> str:
+    """How to give a grad or state the param's layout. A ``Partial`` grad (say, of a replicated
+    norm weight under sequence parallelism) needs its reduction, a collective the caller chooses to
+    run; torch's own optimizers run it implicitly inside an elementwise op."""
+    return (f"{what}.redistribute(p.device_mesh, p.placements) gives it that layout" if what == "grad" else
+            "torch.distributed.checkpoint loads a sharded state dict into a sharded model")
 
 
 def check_plain(p: torch.Tensor, g: Any, states: Sequence[Any], name: str, state_names: Sequence[str]) -> None:
