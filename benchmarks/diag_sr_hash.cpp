@@ -32,6 +32,7 @@
 #include "adam_types.h"
 namespace mfa {
 int prefetch_bytes(int, int) { return 512; }  // the kernel's choice for bf16 on AMD (dispatch.cpp)
+int far_prefetch_bytes(int, int) { return 0; }  // off for bf16 states, as the package chooses
 bool bf16_pairs() { return true; }
 bool q8_permute_dequant() { return true; }
 namespace isa {
