@@ -86,6 +86,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: _Params, defaults: dict[str, Any]) -> None:
         self._check_group(defaults, "")
+        self._group_defaults = dict(defaults)  # what __setstate__ fills groups from (not torch's additions)
         super().__init__(params, defaults)
 
     def _check_group(self, group: dict[str, Any], where: str) -> None:
@@ -129,17 +130,25 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["mps_fused_adam_config"] = {k: getattr(self, k) for k in self._config_attributes}
+        state["mps_fused_adam_config"]["_group_defaults"] = self.__dict__.get("_group_defaults")
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         config = state.pop("mps_fused_adam_config", None)
+        # Our own defaults as the constructor made them, not with the key torch's __setstate__ adds
+        # to them ('differentiable'): only these are group keys of ours, so a round trip or a deep
+        # copy leaves the groups' keys as they were. (A pickle made before they were kept: its
+        # defaults, as they were saved.)
+        ours = (self.__dict__.get("_group_defaults") or (config or {}).get("_group_defaults")
+                or dict(state.get("defaults", {})))
         super().__setstate__(state)
+        self._group_defaults = ours
         if config is not None:
             self.__dict__.update(config)
         for group in self.param_groups:
             self._adopt_group_keys(group)
             # A state dict from torch.optim lacks our group keys: take them from our defaults.
-            for key, value in self.defaults.items():
+            for key, value in ours.items():
                 group.setdefault(key, value)
 
     def _adopt_group_keys(self, group: dict[str, Any]) -> None:

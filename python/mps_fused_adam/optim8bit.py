@@ -98,7 +98,10 @@ class _Adam8bitBase(torch.optim.Optimizer):
         super().__setstate__(state)
         for group in self.param_groups:  # state dicts of other optimizers lack our group keys
             for key, value in self.defaults.items():
-                group.setdefault(key, value)
+                # 'differentiable' is no key of ours: torch's __setstate__ adds it to the defaults
+                # only, and a group gaining it would make a round trip change the state dict.
+                if key != "differentiable":
+                    group.setdefault(key, value)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of ours (``bnb_compat.from_bitsandbytes`` converts bitsandbytes').
