@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from . import dtensor, step_plan, validate
+from . import dtensor, step_plan, torch_args, validate
 from .step_entry import fast_step_entry
 from .backends import SUPPORTED_DTYPES, get_backend, update_staged
 from .contract import RULES, AdagradHyper, AdamHyper, LionHyper
@@ -68,6 +68,12 @@ def load_state_dict_with_hooks(opt: torch.optim.Optimizer, state_dict: dict[str,
         hook(opt)
 
 
+def _materialised(g: torch.Tensor) -> torch.Tensor:
+    """A ZeroTensor grad (no memory: what autograd can hand a param that no output reached) as
+    the dense zeros it stands for, which the kernels read."""
+    return torch.zeros(g.shape, dtype=g.dtype, device=g.device)
+
+
 class _FusedOptimizer(torch.optim.Optimizer):
     """Shared machinery for every rule. A subclass sets ``_rule`` and implements ``_check_group``
     and ``_hyper`` (and ``_new_state`` when a state does not start at 0); the state names are the
@@ -79,6 +85,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
     _state_dict_kind = validate.ADAM_STATE_DICT
     # A subclass restricted to one device type (CPUAdam) sets this.
     _device_type: Optional[str] = None
+    # torch's fused kernel of the rule lacks CUDA (Adagrad's): a fused=True group's params are
+    # checked against torch's list without it (torch_args.check_fused_param).
+    _fused_cuda_unsupported = False
 
     @property
     def _state_names(self) -> tuple[str, ...]:
@@ -270,7 +279,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 bucket = buckets[key] = tuple([] for _ in range(nstates + 3))
             # A DTensor param's new states are DTensors like it (zeros_like): its shards are stepped.
             bucket[0].append(dtensor.local(p))
-            bucket[1].append(dtensor.local(p.grad))
+            g = p.grad
+            bucket[1].append(dtensor.local(_materialised(g) if g._is_zerotensor() else g))
             for k, name in enumerate(names):
                 bucket[2 + k].append(dtensor.local(st[name]))
             bucket[-1].append(st)
@@ -370,6 +380,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 validate.check_param(p, g, self._param_name(group, gi, pi), only)
                 if st is not None:
                     validate.check_state(p, st, self._param_name(group, gi, pi), self._state_dtype(p), names)
+                if g._is_zerotensor():
+                    g = _materialised(g)  # torch steps a ZeroTensor grad as the zeros it stands for
             # With ok, every state is exactly a torch.Tensor (checked above): no DTensor among them.
             if dt_cls is not None and (not ok or type(g) is not plain_t
                                        or (type(p) is not plain_p and type(p) is not plain_t)) and (
@@ -391,6 +403,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 else:
                     dtensor.check_plain(p, g, states or (), self._param_name(group, gi, pi), names)
             if st is None:
+                if group.get("fused"):
+                    torch_args.check_fused_param(p, self._fused_cuda_unsupported)
                 fresh.append((p, pi, slots))
                 continue
             key = (cpu if on_cpu else p.device, dt, states[0].dtype, st.get("step", 0))
@@ -458,6 +472,14 @@ def _stochastic_round_step(device: torch.device, ps: list, gs: list, ms: list, v
         reference_adam_sr_(p, g, m, v, hp, key)
 
 
+def _check_unsupported(group: dict[str, Any], cls: str, algorithm: str, options: tuple[str, ...]) -> None:
+    """A group (the constructor's defaults, an added or a loaded group) that turns on an option of
+    torch's class this package does not implement is refused, not silently stepped without it."""
+    for option in options:
+        if group.get(option):
+            _reject(option, group[option], cls, algorithm)
+
+
 def _reject(option: str, value: Any, cls: str, algorithm: str) -> None:
     """An option of torch's class ``cls`` that this package's ``cls`` (which runs ``algorithm``) does not implement."""
     raise ValueError(f"{cls} does not support {option}={value!r}; mps_fused_adam implements plain {algorithm} "
@@ -481,15 +503,19 @@ class Adam(_AdamBase):
                  amsgrad: bool = False, *, foreach: Optional[bool] = None, maximize: bool = False,
                  capturable: bool = False, differentiable: bool = False, fused: Optional[bool] = None,
                  decoupled_weight_decay: bool = False, bf16_stochastic_round: bool = False) -> None:
-        self._check_unsupported(amsgrad, capturable, differentiable)
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+        betas = torch_args.check_adam_args(lr, betas, eps, weight_decay, foreach, capturable)
+        torch_args.check_fused_flags(fused, foreach, differentiable)  # before our refusal of differentiable
+        # torch's group keys, kept as given (foreach and fused change nothing here), so that state
+        # dicts have torch's structure both ways; ours (bias_correction, bf16_stochastic_round) follow.
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                                      maximize=maximize, foreach=foreach, capturable=capturable,
+                                      differentiable=differentiable, fused=fused,
                                       decoupled_weight_decay=bool(decoupled_weight_decay), bias_correction=True,
-                                      maximize=maximize, bf16_stochastic_round=bool(bf16_stochastic_round)))
+                                      bf16_stochastic_round=bool(bf16_stochastic_round)))
 
-    def _check_unsupported(self, amsgrad: bool, capturable: bool, differentiable: bool) -> None:
-        for option, value in (("amsgrad", amsgrad), ("capturable", capturable), ("differentiable", differentiable)):
-            if value:
-                _reject(option, value, self._name, "Adam")
+    def _check_group(self, group: dict[str, Any], where: str) -> None:
+        super()._check_group(group, where)
+        _check_unsupported(group, self._name, "Adam", ("amsgrad", "capturable", "differentiable"))
 
 
 class AdamW(Adam):
@@ -503,8 +529,8 @@ class AdamW(Adam):
                  capturable: bool = False, differentiable: bool = False, fused: Optional[bool] = None,
                  bf16_stochastic_round: bool = False) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                         maximize=maximize, capturable=capturable, differentiable=differentiable,
-                         decoupled_weight_decay=True, bf16_stochastic_round=bf16_stochastic_round)
+                         foreach=foreach, maximize=maximize, capturable=capturable, differentiable=differentiable,
+                         fused=fused, decoupled_weight_decay=True, bf16_stochastic_round=bf16_stochastic_round)
 
 
 class FusedAdam(_AdamBase):
@@ -577,6 +603,8 @@ class Lion(_FusedOptimizer):
 
     def __init__(self, params: _Params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0, use_triton: bool = False, decoupled_weight_decay: bool = False) -> None:
+        # Checked before float(lr) below, so a 2-element Tensor lr gets torch's message.
+        validate.check_lion_hyperparameters(lr, betas, weight_decay)
         if decoupled_weight_decay and not float(lr) > 0:
             raise ValueError(f"decoupled_weight_decay=True divides the weight decay by the initial learning rate, "
                              f"which must be > 0; got lr={float(lr)}")
@@ -627,17 +655,18 @@ class Adagrad(_FusedOptimizer):
     """
 
     _rule = "adagrad"
+    _fused_cuda_unsupported = True
     _state_dict_kind = validate.StateDictKind("Adagrad", ("lr_decay", "eps"), ("betas",), ("sum",))
 
     def __init__(self, params: _Params, lr: float | torch.Tensor = 1e-2, lr_decay: float = 0,
                  weight_decay: float = 0, initial_accumulator_value: float = 0, eps: float = 1e-10,
                  foreach: Optional[bool] = None, *, maximize: bool = False, differentiable: bool = False,
                  fused: Optional[bool] = None) -> None:
-        if differentiable:
-            _reject("differentiable", differentiable, "Adagrad", "Adagrad")
-        super().__init__(params, dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
-                                      initial_accumulator_value=initial_accumulator_value, eps=eps,
-                                      maximize=maximize))
+        torch_args.check_adagrad_args(lr, lr_decay, weight_decay, initial_accumulator_value, eps)
+        torch_args.check_fused_flags(fused, foreach, differentiable)  # before our refusal of differentiable
+        super().__init__(params, dict(lr=lr, lr_decay=lr_decay, eps=eps, weight_decay=weight_decay,
+                                      initial_accumulator_value=initial_accumulator_value, foreach=foreach,
+                                      maximize=maximize, differentiable=differentiable, fused=fused))
         for group in self.param_groups:
             for p in group["params"]:
                 st = self.state[p]
@@ -647,6 +676,7 @@ class Adagrad(_FusedOptimizer):
     def _check_group(self, group: dict[str, Any], where: str) -> None:
         validate.check_adagrad_hyperparameters(group["lr"], group["lr_decay"], group["weight_decay"],
                                                group["initial_accumulator_value"], group["eps"], where=where)
+        _check_unsupported(group, "Adagrad", "Adagrad", ("differentiable",))
 
     def _new_state(self, p: torch.Tensor, name: str, dtype: torch.dtype, group: dict[str, Any]) -> torch.Tensor:
         return torch.full_like(p, float(group["initial_accumulator_value"]), dtype=dtype,

@@ -13,7 +13,9 @@ _SUPPORTED_NAMES = "float32, float16 or bfloat16"
 
 def _nonnegative(value: Any, what: str, suffix: str) -> None:
     """torch's check of a hyperparameter that must be >= 0, with its message ("Invalid <what>: ...")."""
-    if not 0.0 <= float(value):
+    # torch's comparison on the value as given: a str (or None) raises torch's TypeError, where
+    # float() would have taken "1e-3".
+    if not 0.0 <= value:
         raise ValueError(f"Invalid {what}: {float(value)}{suffix}")
 
 
@@ -38,9 +40,9 @@ def check_hyperparameters(lr: Any, betas: Any, eps: Any, weight_decay: Any, wher
     _lr(lr, suffix)
     _nonnegative(eps, "epsilon value", suffix)
     beta1, beta2 = _betas(betas, suffix)
-    if not 0.0 <= float(beta1) < 1.0:
+    if not 0.0 <= beta1 < 1.0:
         raise ValueError(f"Invalid beta parameter at index 0: {float(beta1)}{suffix}")
-    if not 0.0 <= float(beta2) < 1.0:
+    if not 0.0 <= beta2 < 1.0:
         raise ValueError(f"Invalid beta parameter at index 1: {float(beta2)}{suffix}")
     _nonnegative(weight_decay, "weight_decay value", suffix)
 
@@ -50,7 +52,7 @@ def check_lion_hyperparameters(lr: Any, betas: Any, weight_decay: Any, where: st
     suffix = f" (in {where})" if where else ""
     _lr(lr, suffix)
     for i, beta in enumerate(_betas(betas, suffix)):
-        if not 0.0 <= float(beta) <= 1.0:
+        if not 0.0 <= beta <= 1.0:
             raise ValueError(f"Invalid beta parameter at index {i}: {float(beta)}{suffix}")
     _nonnegative(weight_decay, "weight_decay value", suffix)
 
@@ -79,16 +81,14 @@ def check_param_dtype(p: torch.Tensor, name: str) -> None:
 
 def check_param(p: torch.Tensor, g: torch.Tensor, name: str, device_type: str | None) -> None:
     """Raise a ValueError naming the parameter, what was expected and what was found."""
-    # One cheap test first: the per-step cost of 1,000 tensors must stay small.
+    # One cheap test first: the per-step cost of 1,000 tensors must stay small. A ZeroTensor grad
+    # passes (the step materialises it, as torch's optimizers take it for zeros).
     if (p.dtype in SUPPORTED_DTYPES and g.dtype is p.dtype and g.layout is torch.strided
             and g.device == p.device and g.shape == p.shape
-            and (device_type is None or p.device.type == device_type) and not g._is_zerotensor()):
+            and (device_type is None or p.device.type == device_type)):
         return
     check_param_dtype(p, name)
     who = describe(p, name)
-    if g._is_zerotensor():
-        raise ValueError(f"{who}: the grad is a ZeroTensor (torch's zeros without memory); "
-                         "materialise it first (grad.clone())")
     if device_type is not None and p.device.type != device_type:
         raise ValueError(f"{who}: expected a {device_type} tensor, found one on {p.device}")
     if g.layout is not torch.strided:
