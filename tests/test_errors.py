@@ -270,9 +270,15 @@ def test_unsupported_options_rejected(cls, option):
 
 
 def test_foreach_and_fused_flags_accepted():
+    """foreach and fused change nothing here, but torch's refusal of both at once is kept (so code
+    that runs with ours runs with torch's), and the flags stay in the groups as torch keeps them."""
     p = torch.nn.Parameter(torch.randn(4))
-    mfa.AdamW([p], foreach=True, fused=True)
+    assert mfa.AdamW([p], foreach=True).param_groups[0]["foreach"] is True
+    assert mfa.AdamW([p], fused=True).param_groups[0]["fused"] is True
     mfa.Adam([p], foreach=False, fused=False)
+    for cls in (mfa.Adam, mfa.AdamW, mfa.Adagrad):
+        with pytest.raises(RuntimeError, match="^`fused` and `foreach` cannot be `True` together.$"):
+            cls([p], foreach=True, fused=True)
 
 
 def test_corrupt_checkpoint_state_rejected():

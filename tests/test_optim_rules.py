@@ -158,7 +158,8 @@ def test_adagrad_rejected_options_and_values():
     p = torch.nn.Parameter(torch.randn(3))
     with pytest.raises(ValueError, match="Adagrad does not support differentiable=True"):
         mfa.Adagrad([p], differentiable=True)
-    mfa.Adagrad([p], foreach=True, fused=True)  # implementation switches: accepted
+    mfa.Adagrad([p], foreach=True)  # implementation switches: accepted (both at once: torch's RuntimeError)
+    mfa.Adagrad([p], fused=True)
     for kw, msg in ((dict(lr=-1), "Invalid learning rate"), (dict(lr_decay=-1), "Invalid lr_decay value"),
                     (dict(weight_decay=-1), "Invalid weight_decay value"),
                     (dict(initial_accumulator_value=-1), "Invalid initial_accumulator_value value"),

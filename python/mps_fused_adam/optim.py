@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from . import dtensor, step_plan, torch_args, validate
+from . import dtensor, step_counts, step_plan, torch_args, validate
 from .step_entry import fast_step_entry
 from .backends import SUPPORTED_DTYPES, get_backend, update_staged
 from .contract import RULES, AdagradHyper, AdamHyper, LionHyper
@@ -124,7 +124,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
         _optimizer_method("zero_grad")(self, set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        return _optimizer_method("state_dict")(self)
+        """torch's state dict, each ``step`` as torch's 0-dim tensor (the live count stays an int:
+        step_counts.py says why)."""
+        return step_counts.state_dict(self, _optimizer_method("state_dict"))
 
     # The dtype the moment estimates are kept in: a fixed one, or (None) the param's, as torch does.
     _fixed_state_dtype: Optional[torch.dtype] = None
@@ -170,7 +172,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
         torch casts loaded states to the parameter's dtype; we re-take them from the saved
         tensors in this optimizer's state dtype (fp32 states of bf16 params stay exact), and keep
-        ``step`` as a Python int. A state dict of another optimizer (SGD's, say) or with moments
+        ``step`` as a Python int, whether saved as torch's tensor or as an int (earlier versions). A state dict of another optimizer (SGD's, say) or with moments
         of the wrong shape is rejected before anything is loaded. As in torch, the load pre-hooks
         (``register_load_state_dict_pre_hook``) see the dict first and may replace it, and the
         post-hooks run after everything is loaded.
