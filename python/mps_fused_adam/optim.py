@@ -85,9 +85,6 @@ class _FusedOptimizer(torch.optim.Optimizer):
     _state_dict_kind = validate.ADAM_STATE_DICT
     # A subclass restricted to one device type (CPUAdam) sets this.
     _device_type: Optional[str] = None
-    # torch's fused kernel of the rule lacks CUDA (Adagrad's): a fused=True group's params are
-    # checked against torch's list without it (torch_args.check_fused_param).
-    _fused_cuda_unsupported = False
 
     @property
     def _state_names(self) -> tuple[str, ...]:
@@ -406,7 +403,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                     dtensor.check_plain(p, g, states or (), self._param_name(group, gi, pi), names)
             if st is None:
                 if group.get("fused"):
-                    torch_args.check_fused_param(p, self._fused_cuda_unsupported)
+                    torch_args.check_fused_param(p)
                 fresh.append((p, pi, slots))
                 continue
             key = (cpu if on_cpu else p.device, dt, states[0].dtype, st.get("step", 0))
@@ -443,7 +440,7 @@ class _AdamBase(_FusedOptimizer):
         beta1, beta2 = group["betas"]
         return AdamHyper(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                          weight_decay=float(group["weight_decay"]), step=step,
-                         adam_w_mode=bool(group[self._mode_key]), bias_correction=bool(group["bias_correction"]),
+                         adam_w_mode=bool(group[self._mode_key]), bias_correction=bool(group.get("bias_correction", True)),
                          maximize=bool(group["maximize"]))
 
 
@@ -507,13 +504,16 @@ class Adam(_AdamBase):
                  decoupled_weight_decay: bool = False, bf16_stochastic_round: bool = False) -> None:
         betas = torch_args.check_adam_args(lr, betas, eps, weight_decay, foreach, capturable)
         torch_args.check_fused_flags(fused, foreach, differentiable)  # before our refusal of differentiable
-        # torch's group keys, kept as given (foreach and fused change nothing here), so that state
-        # dicts have torch's structure both ways; ours (bias_correction, bf16_stochastic_round) follow.
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                                      maximize=maximize, foreach=foreach, capturable=capturable,
-                                      differentiable=differentiable, fused=fused,
-                                      decoupled_weight_decay=bool(decoupled_weight_decay), bias_correction=True,
-                                      bf16_stochastic_round=bool(bf16_stochastic_round)))
+        # torch's group keys and only those, kept as given (foreach and fused change nothing here),
+        # so that state dicts have torch's structure both ways (torch.distributed.checkpoint refuses
+        # to load a checkpoint that lacks a key of the target's). bias_correction is always on here
+        # (_hyper's default); bf16_stochastic_round is a key only where it is on.
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+                        foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
+                        decoupled_weight_decay=bool(decoupled_weight_decay))
+        if bf16_stochastic_round:
+            defaults["bf16_stochastic_round"] = True
+        super().__init__(params, defaults)
 
     def _check_group(self, group: dict[str, Any], where: str) -> None:
         super()._check_group(group, where)
@@ -657,7 +657,6 @@ class Adagrad(_FusedOptimizer):
     """
 
     _rule = "adagrad"
-    _fused_cuda_unsupported = True
     _state_dict_kind = validate.StateDictKind("Adagrad", ("lr_decay", "eps"), ("betas",), ("sum",))
 
     def __init__(self, params: _Params, lr: float | torch.Tensor = 1e-2, lr_decay: float = 0,
@@ -679,6 +678,14 @@ class Adagrad(_FusedOptimizer):
         validate.check_adagrad_hyperparameters(group["lr"], group["lr_decay"], group["weight_decay"],
                                                group["initial_accumulator_value"], group["eps"], where=where)
         _check_unsupported(group, "Adagrad", "Adagrad", ("differentiable",))
+        if group.get("fused") and self.__dict__.get("_need_device_dtype_check_for_fused", True):
+            # torch's fused Adagrad checks its params at its first step (the states exist from
+            # the constructor on, so the check of new states that Adam's makes would never run).
+            for p in group.get("params", ()):
+                if p.grad is not None:
+                    torch_args.check_fused_param(p)
+            if "params" in group:
+                self._need_device_dtype_check_for_fused = False
 
     def _new_state(self, p: torch.Tensor, name: str, dtype: torch.dtype, group: dict[str, Any]) -> torch.Tensor:
         return torch.full_like(p, float(group["initial_accumulator_value"]), dtype=dtype,

@@ -76,13 +76,13 @@ def check_fused_flags(fused: Optional[bool], foreach: Optional[bool], differenti
             raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
 
 
-def check_fused_param(p: torch.Tensor, cuda_unsupported: bool = False) -> None:
+def check_fused_param(p: torch.Tensor) -> None:
     """What torch's fused implementation requires of a param before it creates the param's state
     (``_device_dtype_check_for_fused``): a floating-point tensor on a device torch's fused kernels
     support, which leaves out meta tensors. Ours runs on any device, but a group that asked for
     ``fused=True`` gets torch's answer, so a model that steps with ours steps with torch's too."""
     if _torch_fused_check is not None:
-        _torch_fused_check(p, cuda_unsupported)
+        _torch_fused_check(p)
         return
     if p.device.type == "meta" or not torch.is_floating_point(p):  # pragma: no cover
         raise RuntimeError("`fused=True` requires all the params to be floating point Tensors of "

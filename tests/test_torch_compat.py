@@ -1,0 +1,335 @@
+"""Ours against torch's own optimizer database (``torch.testing._internal.common_optimizers.optim_db``,
+from the installed torch wheel): for each class of ours that stands in for a torch optimizer, every
+input of torch's entry (``optim_inputs_func``, with the global flags torch's generic tests add:
+foreach, fused, differentiable, maximize) runs on ours and on torch's side by side, and every error
+input (``optim_error_inputs_func``) must raise torch's exception type and message. A new torch
+release's new inputs reach these tests without anyone writing them.
+
+The differences we make deliberately are listed below (``REFUSED``, ``EXTRA_GROUP_KEYS``), each
+with its reason; anything else that differs fails. docs/torch-compat.md is the user's version.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import mps_fused_adam as mfa
+
+common_optimizers = pytest.importorskip("torch.testing._internal.common_optimizers",
+                                        reason="torch's optimizer database needs expecttest (the 'test' extra)")
+OptimizerErrorEnum = common_optimizers.OptimizerErrorEnum
+
+# Ours -> the torch class whose database entry drives it.
+PAIRS = [(mfa.Adam, torch.optim.Adam), (mfa.AdamW, torch.optim.AdamW), (mfa.Adagrad, torch.optim.Adagrad)]
+
+# Options of torch's that change the algorithm and that we do not implement: refused with a
+# ValueError naming the option (never stepped without it). amsgrad: another update rule (a third
+# state, max_exp_avg_sq) that the kernels do not have; capturable: CUDA-graph capture of the step
+# count on the device (our counts live on the host, and Apple has no CUDA graphs); differentiable:
+# autograd through the step, which a fused kernel cannot give.
+REFUSED = {"Adam": ("amsgrad", "capturable", "differentiable"), "AdamW": ("amsgrad", "capturable", "differentiable"),
+           "Adagrad": ("differentiable",)}
+
+# Group keys of ours that torch's groups lack: none. (bf16_stochastic_round=True, an option of ours
+# that no database input sets, adds its key; torch ignores it when it loads our state dicts.)
+EXTRA_GROUP_KEYS = {"Adam": set(), "AdamW": set(), "Adagrad": set()}
+
+
+def _info(torch_cls):
+    return next(i for i in common_optimizers.optim_db if i.optim_cls is torch_cls)
+
+
+def _inputs(torch_cls):
+    """torch's inputs for ``torch_cls`` on CPU fp32, each also with the global flags torch's
+    generic tests try (the implementation switches, differentiable, maximize flipped)."""
+    out = []
+    for oi in _info(torch_cls).optim_inputs_func(device="cpu", dtype=torch.float32):
+        kw = dict(oi.kwargs)
+        out.append((oi.desc, kw))
+        for flag in ("foreach", "fused", "differentiable"):
+            out.append((f"{oi.desc}, {flag}", {**kw, flag: True}))
+        out.append((f"{oi.desc}, maximize flipped", {**kw, "maximize": not kw.get("maximize", False)}))
+    return out
+
+
+def _cases():
+    return [pytest.param(ours, theirs, kw, id=f"{ours.__name__}-{desc}")
+            for ours, theirs in PAIRS for desc, kw in _inputs(theirs)]
+
+
+def _params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(10, 5, generator=g)), torch.nn.Parameter(torch.randn(10, generator=g))]
+
+
+def _grads(step, params):
+    g = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(p.shape, generator=g) for p in params]
+
+
+def _run(opt, params, steps, start=0):
+    for s in range(start, start + steps):
+        for p, g in zip(params, _grads(s, params)):
+            p.grad = g
+        opt.step()
+
+
+def _bound(ref: torch.Tensor) -> float:
+    """The contract's agreement bound for implementations that order the math differently."""
+    return 8 * torch.finfo(ref.dtype).eps * max(ref.abs().max().item(), 1.0)
+
+
+def _assert_close(ours, theirs, what):
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=_bound(theirs), msg=lambda m: f"{what}: {m}")
+
+
+def _assert_same_structure(ours_sd, theirs_sd, name):
+    """torch's group keys and per-param state keys, with the same values where they are torch's
+    keys; step counts equal and in torch's form (a 0-dim tensor)."""
+    assert len(ours_sd["param_groups"]) == len(theirs_sd["param_groups"])
+    for go, gt in zip(ours_sd["param_groups"], theirs_sd["param_groups"]):
+        assert set(go) - set(gt) == EXTRA_GROUP_KEYS[name] and set(gt) <= set(go)
+        for key in gt:
+            if key not in ("lr", "betas"):  # compared below: a Tensor lr is compared by value
+                assert go[key] == gt[key], key
+        assert float(go["lr"]) == float(gt["lr"])
+        if "betas" in gt:
+            assert [float(b) for b in go["betas"]] == [float(b) for b in gt["betas"]]
+    assert ours_sd["state"].keys() == theirs_sd["state"].keys()
+    for k, st in theirs_sd["state"].items():
+        mine = ours_sd["state"][k]
+        assert mine.keys() == st.keys()
+        assert isinstance(mine["step"], torch.Tensor) and mine["step"].dim() == 0
+        assert mine["step"].dtype == st["step"].dtype and float(mine["step"]) == float(st["step"])
+
+
+def _construct(cls, kw, params):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's notes on fused/foreach defaults are not the subject
+        return cls(params, **copy.deepcopy(kw))
+
+
+@pytest.mark.parametrize("ours_cls, torch_cls, kwargs", _cases())
+def test_database_inputs_side_by_side(ours_cls, torch_cls, kwargs):
+    """Each database input: the same error when torch refuses it; our ValueError for the options we
+    refuse (REFUSED); otherwise the same results within the contract's bound, state dicts of torch's
+    structure, and state dicts that load both ways and keep stepping alike."""
+    name = torch_cls.__name__
+    pt, po = _params(), _params()
+    try:
+        theirs = _construct(torch_cls, kwargs, pt)
+    except Exception as e:
+        with pytest.raises(type(e)) as got:
+            _construct(ours_cls, kwargs, po)
+        assert str(got.value) == str(e)
+        return
+    refused = [o for o in REFUSED[name] if kwargs.get(o)]
+    if refused:
+        with pytest.raises(ValueError, match=f"does not support {refused[0]}=True"):
+            _construct(ours_cls, kwargs, po)
+        return
+    ours = _construct(ours_cls, kwargs, po)
+    _run(theirs, pt, 3)
+    _run(ours, po, 3)
+    for i, (a, b) in enumerate(zip(po, pt)):
+        _assert_close(a.detach(), b.detach(), f"param {i}")
+        for key, t in theirs.state[b].items():
+            if key != "step":
+                _assert_close(ours.state[a][key], t, f"param {i} state {key!r}")
+    _assert_same_structure(ours.state_dict(), theirs.state_dict(), name)
+
+    # Across: torch resumes from our state dict and we from torch's; both continue alike.
+    pt2, po2 = [p.detach().clone().requires_grad_() for p in po], [p.detach().clone().requires_grad_() for p in pt]
+    theirs2, ours2 = _construct(torch_cls, kwargs, pt2), _construct(ours_cls, kwargs, po2)
+    theirs2.load_state_dict(copy.deepcopy(ours.state_dict()))
+    ours2.load_state_dict(copy.deepcopy(theirs.state_dict()))
+    for opt, ps in ((theirs2, pt2), (ours2, po2), (theirs, pt), (ours, po)):
+        _run(opt, ps, 2, start=3)
+    for a, b, c, d in zip(po, pt, pt2, po2):
+        for x in (a, c, d):
+            _assert_close(x.detach(), b.detach(), "after resuming across")
+
+
+def _error_cases():
+    out = []
+    for ours, theirs in PAIRS:
+        for i, ei in enumerate(_info(theirs).optim_error_inputs_func(device="cpu", dtype=torch.float32)):
+            out.append(pytest.param(ours, theirs, i, id=f"{ours.__name__}-{ei.optimizer_error_input.desc}"))
+    return out
+
+
+def _outcome(cls, ei, step):
+    """What constructing (and, for step errors, stepping) ``cls`` on the error input gives: the
+    exception or the warnings raised, as (type, message) pairs."""
+    oi = ei.optimizer_error_input
+    params = oi.params if oi.params is not None else [torch.nn.Parameter(torch.randn(2, 2))]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            opt = cls(params, **oi.kwargs)
+            if step:
+                opt.step()
+        except Exception as e:
+            return [(type(e), str(e))]
+    return [(w.category, str(w.message)) for w in caught if issubclass(w.category, ei.error_type)]
+
+
+@pytest.mark.parametrize("ours_cls, torch_cls, index", _error_cases())
+def test_database_error_inputs_same_error(ours_cls, torch_cls, index):
+    """Every error input of torch's entry: torch's exception (or warning) type and message, word for
+    word, from ours (no error input of the database is among our deliberate differences)."""
+    ei = _info(torch_cls).optim_error_inputs_func(device="cpu", dtype=torch.float32)[index]
+    step = ei.error_on == OptimizerErrorEnum.STEP_ERROR
+    expected = _outcome(torch_cls, ei, step)
+    assert expected and expected[0][0] is ei.error_type  # the database's own claim, checked on torch
+    assert _outcome(ours_cls, ei, step) == expected
+
+
+@pytest.mark.parametrize("cls", [mfa.Adam, mfa.AdamW, mfa.CPUAdam, mfa.FusedAdam, mfa.Lion, mfa.FusedLion, mfa.Adagrad])
+@pytest.mark.parametrize("named", [False, True])
+def test_state_dict_identical_after_round_trip_and_deepcopy(cls, named):
+    """torch's test_state_dict_deterministic, for every class: after load_state_dict and in
+    copy.deepcopy(opt), the state dict equals the source's (no group gains a key, such as the
+    'differentiable' torch's __setstate__ adds to the defaults), named parameters too."""
+    def build(ps):
+        return cls([(f"p{i}", p) for i, p in enumerate(ps)] if named else ps)
+    pa, pb = _params(), _params(1)
+    a = build(pa)
+    _run(a, pa, 2)
+    b = build(pb)
+    b.load_state_dict(copy.deepcopy(a.state_dict()))
+    for other in (b, copy.deepcopy(a), copy.deepcopy(b)):
+        sa, so = a.state_dict(), other.state_dict()
+        assert sa["param_groups"] == so["param_groups"]
+        assert sa["state"].keys() == so["state"].keys()
+        for k in sa["state"]:
+            assert sa["state"][k].keys() == so["state"][k].keys()
+            for name, t in sa["state"][k].items():
+                assert torch.equal(t, so["state"][k][name]) if isinstance(t, torch.Tensor) else t == so["state"][k][name]
+
+
+def test_string_lr_raises_torchs_type_error_at_construction_and_step():
+    p = torch.nn.Parameter(torch.randn(3))
+    for cls in (mfa.Adam, mfa.AdamW, mfa.Adagrad, mfa.Lion):
+        with pytest.raises(TypeError, match="'<=' not supported between instances of 'float' and 'str'"):
+            cls([p], lr="1e-3")
+    opt = mfa.AdamW([p])
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2))], "lr": "1e-3"})
+    opt.param_groups[1]["params"][0].grad = torch.ones(2)
+    with pytest.raises(TypeError, match="'<=' not supported"):
+        opt.step()  # a group added with a string lr: refused at the step, nothing written
+    assert not opt.state
+
+
+def test_lion_tensor_lr_of_two_elements_gets_torchs_message():
+    with pytest.raises(ValueError, match="^Tensor lr must be 1-element$"):
+        mfa.Lion([torch.nn.Parameter(torch.randn(3))], lr=torch.tensor([1e-3, 1e-3]))
+
+
+@pytest.mark.parametrize("option", ["amsgrad", "capturable", "differentiable"])
+def test_group_that_turns_on_a_refused_option_is_refused_at_the_step(option):
+    """An added group with amsgrad/capturable/differentiable is refused, not stepped without it."""
+    opt = mfa.AdamW([torch.nn.Parameter(torch.randn(3))])
+    q = torch.nn.Parameter(torch.randn(3))
+    opt.add_param_group({"params": [q], option: True})
+    q.grad = torch.ones(3)
+    with pytest.raises(ValueError, match=f"AdamW does not support {option}=True"):
+        opt.step()
+    assert not opt.state
+
+
+@pytest.mark.parametrize("cls, torch_cls", [(mfa.AdamW, torch.optim.AdamW), (mfa.Adagrad, torch.optim.Adagrad)])
+def test_meta_params_fused_refused_as_torch_does(cls, torch_cls):
+    """fused=True with meta params: torch's fused implementation's RuntimeError, word for word, at
+    the first step, before any state is made; without fused both step meta params (meta states)."""
+    outcomes = []
+    for c in (torch_cls, cls):
+        p = torch.nn.Parameter(torch.randn(3, device="meta"))
+        p.grad = torch.randn(3, device="meta")
+        opt = c([p], fused=True)
+        with pytest.raises(RuntimeError, match="`fused=True` requires all the params") as e:
+            opt.step()
+        outcomes.append(str(e.value))
+        if c is cls:
+            assert not opt.state or all(k == "step" or k == "sum" for k in opt.state[p])
+        p2 = torch.nn.Parameter(torch.randn(3, device="meta"))
+        p2.grad = torch.randn(3, device="meta")
+        opt2 = c([p2])
+        opt2.step()
+        assert all(t.is_meta for t in opt2.state[p2].values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+    assert outcomes[0] == outcomes[1]
+
+
+def test_step_saved_as_tensor_loaded_from_int_and_live_count_is_int():
+    """state['step'] (step_counts.py): an int while stepping, torch's 0-dim tensor in state_dict()
+    (a copy: the live state keeps its int), and a state dict of an earlier version of ours (int
+    steps) or of torch (tensor steps) loads and continues exactly as the optimizer that saved it."""
+    pa = _params()
+    a = mfa.AdamW(pa, lr=1e-2)
+    _run(a, pa, 3)
+    sd = a.state_dict()
+    assert all(type(st["step"]) is int and st["step"] == 3 for st in a.state.values())
+    assert all(isinstance(st["step"], torch.Tensor) and st["step"].dtype == torch.float32 and st["step"].dim() == 0
+               and float(st["step"]) == 3 for st in sd["state"].values())
+    old = copy.deepcopy(sd)
+    for st in old["state"].values():
+        st["step"] = int(st["step"])  # as earlier versions saved it
+    for saved in (sd, old):
+        pb = [p.detach().clone().requires_grad_() for p in pa]
+        b = mfa.AdamW(pb, lr=1e-2)
+        b.load_state_dict(copy.deepcopy(saved))
+        assert all(type(st["step"]) is int and st["step"] == 3 for st in b.state.values())
+        pc = [p.detach().clone().requires_grad_() for p in pa]
+        c = mfa.AdamW(pc, lr=1e-2)
+        c.load_state_dict(copy.deepcopy(saved))
+        _run(b, pb, 2, start=3)
+        _run(c, pc, 2, start=3)
+        assert all(torch.equal(x, y) for x, y in zip(pb, pc))
+
+
+def test_state_dict_post_hook_sees_tensor_steps():
+    seen = []
+    opt = mfa.AdamW(_params())
+    _run(opt, opt.param_groups[0]["params"], 1)
+    opt.register_state_dict_post_hook(lambda o, sd: seen.append(type(sd["state"][0]["step"])))
+    opt.state_dict()
+    assert seen == [torch.Tensor]
+
+
+def test_distributed_checkpoint_round_trip_both_ways(tmp_path):
+    """torch.distributed.checkpoint (single process, no process group): ours saved, loaded into
+    torch's AdamW and into ours, and torch's saved, loaded into ours, through
+    get_/set_optimizer_state_dict; each continues as the saver would."""
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # single process: the point here
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    def model_and(cls, seed=0):
+        torch.manual_seed(seed)
+        m = torch.nn.Linear(5, 3)
+        return m, cls(m.parameters(), lr=1e-2)
+
+    def train(m, opt, steps, start=0):
+        for s in range(start, start + steps):
+            torch.manual_seed(1000 + s)
+            opt.zero_grad()
+            m(torch.randn(4, 5)).pow(2).sum().backward()
+            opt.step()
+
+    for saver_cls, loader_cls in ((mfa.AdamW, torch.optim.AdamW), (mfa.AdamW, mfa.AdamW), (torch.optim.AdamW, mfa.AdamW)):
+        m, opt = model_and(saver_cls)
+        train(m, opt, 3)
+        path = tmp_path / f"{saver_cls.__module__}-{loader_cls.__module__}".replace(".", "_")
+        dcp.save({"optim": get_optimizer_state_dict(m, opt)}, checkpoint_id=str(path))
+        m2, opt2 = model_and(loader_cls, seed=1)
+        m2.load_state_dict(m.state_dict())
+        target = {"optim": get_optimizer_state_dict(m2, opt2)}
+        dcp.load(target, checkpoint_id=str(path))
+        set_optimizer_state_dict(m2, opt2, target["optim"])
+        train(m, opt, 2, start=3)
+        train(m2, opt2, 2, start=3)
+        for a, b in zip(m.parameters(), m2.parameters()):
+            _assert_close(b.detach(), a.detach(), f"{saver_cls.__module__} -> {loader_cls.__module__}")
