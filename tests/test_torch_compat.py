@@ -333,3 +333,27 @@ def test_distributed_checkpoint_round_trip_both_ways(tmp_path):
         train(m2, opt2, 2, start=3)
         for a, b in zip(m.parameters(), m2.parameters()):
             _assert_close(b.detach(), a.detach(), f"{saver_cls.__module__} -> {loader_cls.__module__}")
+
+
+def test_grad_scaler_with_fused_true_matches_torch():
+    """torch.amp.GradScaler with fused=True: torch's class takes the scale into its kernel, ours
+    lets the scaler unscale the grads first; the same results, and a step with an inf grad is
+    skipped by both (the count stays behind)."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 3)
+    t = copy.deepcopy(m)
+    opts = (mfa.AdamW(m.parameters(), lr=1e-2, fused=True), torch.optim.AdamW(t.parameters(), lr=1e-2, fused=True))
+    for mod, opt in zip((m, t), opts):
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        for i in range(4):
+            opt.zero_grad()
+            x = torch.randn(5, 4, generator=torch.Generator().manual_seed(i))
+            if i == 2:
+                x[0, 0] = float("inf")
+            scaler.scale(mod(x).pow(2).mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+        assert scaler.get_scale() == 512.0
+        assert [int(st["step"]) for st in opt.state.values()] == [3, 3]
+    for a, b in zip(m.parameters(), t.parameters()):
+        _assert_close(a.detach(), b.detach(), "GradScaler")
