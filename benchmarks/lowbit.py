@@ -1,4 +1,4 @@
-"""Low-bit options, measured: ``python benchmarks/lowbit.py [--steps 2000] [--size 16777216] [--out benchmarks/lowbit]``.
+"""Low-bit options, measured: ``python benchmarks/lowbit.py [--steps 2000] [--size 16777216] [--out benchmarks/results/lowbit]``.
 
 1. Training curves (the longer version of tests/test_lowbit_training.py, plus bf16 with Kahan
    compensation in plain torch, for the decision on offering it): fp32 AdamW, AdamW8bit,
@@ -206,7 +206,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
     ap.add_argument("--no-train", action="store_true", help="speed only: no training curves, nothing written")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "lowbit"))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "lowbit"))
     args = ap.parse_args()
     lines = [f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
              f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"]
