@@ -28,7 +28,9 @@ is accepted unless ``--repaired`` is given; CI passes ``--repaired`` for what it
 Sdists (``check_sdist``): one top-level directory ``mps_fused_adam-<version>/`` holding
 pyproject.toml, CMakeLists.txt, every ``cmake/*.cmake`` that CMakeLists.txt includes, src/,
 metal/*.metal, python/mps_fused_adam/, a non-empty LICENSE, README.md and PKG-INFO with
-the same version; and no build products (a stray ``.so`` would shadow the one pip builds).
+the same version; no build products (a stray ``.so`` would shadow the one pip builds), no
+virtual environment (the README's set-up makes ``.venv`` inside the checkout), no benchmark
+results (run logs and plots: not needed to build or test), and at most 1 MB in all.
 """
 from __future__ import annotations
 
@@ -354,6 +356,10 @@ def check_wheel(path: str | Path, repaired: bool = False, metal_sources: list[st
 
 # --------------------------------------------------------------------------- sdists
 
+# Issue 30's limit: a clean checkout gave 716 KB, one with the README's .venv inside 158 MB.
+SDIST_MAX_BYTES = 1_000_000
+
+
 def check_sdist(path: str | Path) -> list[str]:
     """Problems found in the sdist at ``path``; an empty list means it passed."""
     path = Path(path)
@@ -399,6 +405,15 @@ def check_sdist(path: str | Path) -> list[str]:
     for f in sorted(files):
         if f.endswith((".so", ".dylib", ".metallib", ".pyc")) or f.startswith(("build/", "dist/")):
             problems.append(f"build product inside the sdist: {f}")
+    venvs = sorted({f.rsplit("/", 1)[0] or "." for f in files if f == "pyvenv.cfg" or f.endswith("/pyvenv.cfg")})
+    if venvs:
+        problems.append(f"a virtual environment inside the sdist: {', '.join(venvs)}")
+    results = sorted(f for f in files if f.startswith("benchmarks/results/"))
+    if results:
+        problems.append(f"benchmark results inside the sdist ({len(results)} files, e.g. {results[0]})")
+    size = path.stat().st_size
+    if size > SDIST_MAX_BYTES:
+        problems.append(f"the sdist is {size / 1e6:.2f} MB, over the limit of {SDIST_MAX_BYTES / 1e6:.0f} MB")
     return problems
 
 

@@ -336,6 +336,9 @@ def test_well_formed_sdist_passes(tmp_path):
     (lambda f: f.__setitem__("LICENSE", b""), "LICENSE is empty"),
     (lambda f: f.__setitem__("python/mps_fused_adam/_cpu.cpython-311-x86_64-linux-gnu.so", b"\0"), "build product"),
     (lambda f: f.__setitem__("PKG-INFO", b"Version: 9.9\n"), "PKG-INFO version"),
+    (lambda f: f.__setitem__(".venv/pyvenv.cfg", b"home = /usr/bin\n"), "virtual environment inside the sdist: .venv"),
+    (lambda f: f.__setitem__("benchmarks/results/cpu_2core.txt", b"ours 0.5\n"), "benchmark results"),
+    (lambda f: f.__setitem__("big.bin", os.urandom(1_100_000)), "over the limit of 1 MB"),
 ])
 def test_doctored_sdist(tmp_path, change, word):
     files = dict(SDIST_FILES)
