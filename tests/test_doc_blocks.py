@@ -114,7 +114,8 @@ def test_block_conventions():
                 problems.append(f"{doc.name}:{b['line']}: ```{b['lang']} (write ```python, or ```text)")
             if b["not_run"] is not None and b["lang"] != "python":
                 problems.append(f"{doc.name}:{b['line']}: a not-run marker before a ```{b['lang']} block")
-        markers = [n + 1 for n, line in enumerate(text.splitlines()) if "<!-- not-run" in line]
+        inside = {n for b in blocks for n in range(b["line"], b["line"] + b["code"].count("\n") + 2)}
+        markers = [n + 1 for n, line in enumerate(text.splitlines()) if "<!-- not-run" in line and n + 1 not in inside]
         marked = {b["line"] for b in blocks if b["not_run"] is not None}
         for n in markers:
             if not any(0 < line - n <= 2 for line in marked):
