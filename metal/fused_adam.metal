@@ -1,7 +1,7 @@
 // Fused optimizer steps (Adam/AdamW, Lion, Adagrad) for Apple GPUs: one pass over memory per
 // tensor, math in fp32.
 //
-// The numeric contract is the README's "Numeric contract"; the operation order below is that of
+// The numeric contract is docs/numerics.md; the operation order below is that of
 // python/mps_fused_adam/reference.py. Contraction into fma is off in every build of this text:
 // the metallib is compiled with -fno-fast-math -ffp-contract=off (cmake/apple_metal.cmake), and
 // the pragmas below say it again for tier 3, which torch compiles at run time with its own options
