@@ -111,25 +111,37 @@ def test_the_runner_finds_the_known_blocks():
     assert hf and all(b["not_run"] for b in hf)
 
 
-def test_block_conventions():
+def convention_problems(name: str, text: str) -> list[str]:
     """Python goes in ```python blocks only (another spelling would silently not run), and every
     not-run marker has a reason and stands right before a ```python block."""
     problems = []
-    for doc in documents():
-        text = doc.read_text(encoding="utf-8")
-        blocks = code_blocks(text)
-        for b in blocks:
-            if b["lang"] in ("py", "python3", "pycon", "py3", "ipython"):
-                problems.append(f"{doc.name}:{b['line']}: ```{b['lang']} (write ```python, or ```text)")
-            if b["not_run"] is not None and b["lang"] != "python":
-                problems.append(f"{doc.name}:{b['line']}: a not-run marker before a ```{b['lang']} block")
-        inside = {n for b in blocks for n in range(b["line"], b["line"] + b["code"].count("\n") + 2)}
-        markers = [n + 1 for n, line in enumerate(text.splitlines()) if "<!-- not-run" in line and n + 1 not in inside]
-        marked = {b["line"] for b in blocks if b["not_run"] is not None}
-        for n in markers:
-            if not any(0 < line - n <= 2 for line in marked):
-                problems.append(f"{doc.name}:{n}: a not-run marker without a reason or a ```python block after it")
+    blocks = code_blocks(text)
+    for b in blocks:
+        if b["lang"] in ("py", "python3", "pycon", "py3", "ipython"):
+            problems.append(f"{name}:{b['line']}: ```{b['lang']} (write ```python, or ```text)")
+        if b["not_run"] is not None and b["lang"] != "python":
+            problems.append(f"{name}:{b['line']}: a not-run marker before a ```{b['lang']} block")
+    inside = {n for b in blocks for n in range(b["line"], b["line"] + b["code"].count("\n") + 2)}
+    markers = [n + 1 for n, line in enumerate(text.splitlines()) if "<!-- not-run" in line and n + 1 not in inside]
+    marked = {b["line"] for b in blocks if b["not_run"] is not None}
+    for n in markers:
+        if not any(0 < line - n <= 2 for line in marked):
+            problems.append(f"{name}:{n}: a not-run marker without a reason or a ```python block after it")
+    return problems
+
+
+def test_block_conventions():
+    problems = [p for doc in documents() for p in convention_problems(doc.name, doc.read_text(encoding="utf-8"))]
     assert not problems, "\n".join(problems)
+
+
+def test_conventions_catch_what_they_name():
+    good = "<!-- not-run: needs a Mac -->\n```python\nx\n```\n```text\n<!-- not-run: an example -->\n```\n"
+    assert convention_problems("good.md", good) == []
+    assert "```py " in convention_problems("a.md", "```py\nx = 1\n```\n")[0]
+    assert "without a reason" in convention_problems("b.md", "<!-- not-run -->\n```python\nx\n```\n")[0]
+    assert "without a reason" in convention_problems("c.md", "<!-- not-run: r -->\n\ntext\n\n```python\nx\n```\n")[0]
+    assert "before a ```sh block" in convention_problems("d.md", "<!-- not-run: r -->\n```sh\nls\n```\n")[0]
 
 
 def test_parser_on_a_sample():
