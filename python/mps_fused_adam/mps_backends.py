@@ -43,6 +43,14 @@ THREADGROUP_SIZE = 256
 # (and 2.13.0), not in 2.8.0. tests/test_apple_artifacts.py re-checks this against the wheels.
 TIER1_MIN_TORCH = (2, 9)
 
+# The MPS stream torch::mps::get_command_buffer(), get_dispatch_queue() and commit() use, and so
+# the stream tier 1 encodes on: from this release on the calling thread's current stream
+# (at::mps::getCurrentMPSStream: torch.mps.stream()/set_stream, else the default stream), before it
+# always the default stream (at::mps::getDefaultMPSStream). Read from the macOS arm64 wheels'
+# libtorch_cpu.dylib (MPSHooks::getCommandBuffer, getDispatchQueue, commitStream; 2.14.1: default,
+# 2.15.0: current); tests/test_apple_artifacts.py re-checks every release from TIER1_MIN_TORCH on.
+HOOKS_CURRENT_STREAM_MIN_TORCH = (2, 15)
+
 METALLIB_NAME = "fused_adam.metallib"
 METAL_SOURCE_NAME = "fused_adam.metal"
 
