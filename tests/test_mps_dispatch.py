@@ -205,6 +205,13 @@ def test_fallback_when_metallib_missing(emu, pkg):
                                       package_dir=pkg, probe_device="cpu"))
     assert backend.name == "compile_shader"
     assert len(msgs) == 2 and all("metallib missing" in m for m in msgs)
+    # What a source build on a Mac without the Metal toolchain gets (cmake/apple_metal.cmake builds
+    # _metal but no metallib): each refusal, as backend_info()'s "unavailable" lists it, names the
+    # cause and the fix.
+    for m in msgs:
+        assert f"{pkg / METALLIB_NAME} (a source build without the Metal toolchain has none" in m
+        assert "tier 3 compiles the bundled .metal source instead" in m
+        assert "xcodebuild -downloadComponent MetalToolchain" in m
 
 
 def test_fallback_to_foreach(emu, pkg):

@@ -171,6 +171,17 @@ def find_metal_source(package_dir: Path) -> Path:
     raise FileNotFoundError(f"no {METAL_SOURCE_NAME} in {' or '.join(str(c.parent) for c in candidates)}")
 
 
+def missing_metallib(path: Path) -> FileNotFoundError:
+    """The error tiers 1 and 2 raise without the bundled metallib, saying the usual cause: a
+    source build on a Mac whose Metal compiler does not run (cmake/apple_metal.cmake warns and
+    builds without it), after which tier 3 compiles the bundled source instead."""
+    return FileNotFoundError(
+        f"bundled metallib missing: {path} (a source build without the Metal toolchain has none: "
+        "its build warned; tier 3 compiles the bundled .metal source instead. For the prebuilt "
+        "kernels install Xcode's Metal toolchain, e.g. xcodebuild -downloadComponent MetalToolchain, "
+        "and reinstall)")
+
+
 class MetalExtBackend:
     """Tier 1: the ``_metal`` extension; one call per group, one encoder, no host sync."""
 
@@ -178,7 +189,7 @@ class MetalExtBackend:
 
     def __init__(self, ext: Any, metallib: Path, buffer_of: Callable = mps_buffer) -> None:
         if not metallib.is_file():
-            raise FileNotFoundError(f"bundled metallib missing: {metallib}")
+            raise missing_metallib(metallib)
         # Raises with Metal's own error text if the library is unusable, or if the loaded
         # libtorch lacks the torch::mps functions.
         ext.load(str(metallib), sorted(KERNELS.values()))
@@ -290,7 +301,7 @@ def mps_tiers(*, load_ext: Callable[[], Any] | None = None, mps_api: Any = None,
             raise RuntimeError(f"torch {torch.__version__} has no torch.mps.load_metallib")
         path = pkg / METALLIB_NAME
         if not path.is_file():
-            raise FileNotFoundError(f"bundled metallib missing: {path}")
+            raise missing_metallib(path)
         return ShaderLibraryBackend("load_metallib", load(path))
 
     def tier3() -> ShaderLibraryBackend:
