@@ -153,6 +153,40 @@ def test_missing_metallib(tmp_path):
     assert_one_problem(p, ".metallib")
 
 
+def test_missing_metallib_says_which_name(tmp_path):
+    p = problems_of(tmp_path, "macos", MAC, edit=lambda f: f.pop("mps_fused_adam/fused_adam.metallib"))
+    assert p == ["no mps_fused_adam/fused_adam.metallib next to _metal (tiers 1 and 2 would be unavailable)"]
+
+
+@pytest.mark.parametrize("other", ["mps_fused_adam/kernels.metallib", "mps_fused_adam/metal/fused_adam.metallib",
+                                   "fused_adam.metallib"])
+def test_metallib_under_another_name_is_refused(tmp_path, other):
+    """The loader loads exactly mps_fused_adam/fused_adam.metallib: one under another name or
+    place is refused, in place of it and beside it."""
+    def renamed(f):
+        f[other] = f.pop("mps_fused_adam/fused_adam.metallib")
+    p = problems_of(tmp_path, "macos", MAC, edit=renamed)
+    assert p == [f"{other}: a metallib other than mps_fused_adam/fused_adam.metallib, which is the only one loaded",
+                 "no mps_fused_adam/fused_adam.metallib next to _metal (tiers 1 and 2 would be unavailable)"]
+    def added(f):
+        f[other] = f["mps_fused_adam/fused_adam.metallib"]
+    (tmp_path / "beside").mkdir()
+    assert problems_of(tmp_path / "beside", "macos", MAC, edit=added) == [
+        f"{other}: a metallib other than mps_fused_adam/fused_adam.metallib, which is the only one loaded"]
+
+
+def test_metallib_in_a_linux_wheel_is_refused(tmp_path):
+    def add(f):
+        f["mps_fused_adam/fused_adam.metallib"] = b"MTLB" + bytes(60)
+    assert problems_of(tmp_path, "linux", "manylinux_2_28_x86_64", edit=add) == [
+        "mps_fused_adam/fused_adam.metallib in a linux wheel (Metal runs on macOS only)"]
+
+
+def test_checker_metallib_name_is_the_loaders():
+    from mps_fused_adam.mps_backends import METALLIB_NAME
+    assert cw.METALLIB == METALLIB_NAME
+
+
 def test_missing_metal_extension(tmp_path):
     p = problems_of(tmp_path, "macos", MAC, edit=lambda f: f.pop("mps_fused_adam/_metal.cpython-311-darwin.so"))
     assert_one_problem(p, "_metal")
