@@ -62,7 +62,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 MM = REPO / "src" / "metal" / "metal_adam.mm"
 STUBS = REPO / "tests" / "objc_stubs"
-BACKENDS = REPO / "python" / "mps_fused_adam" / "mps_backends.py"
+BACKENDS = REPO / "python" / "mps_fused_adam" / "backends" / "mps.py"
 TENSOR_HANDLES = REPO / "src" / "cpu" / "tensor_handles.cpp"
 LIBTORCH_PYTHON = "torch/lib/libtorch_python.dylib"
 

@@ -177,7 +177,7 @@ class FakeTorchMps:
     """
 
     def __init__(self, version: tuple[int, int] = (2, 13), blocks_elsewhere: bool = False) -> None:
-        from mps_fused_adam.mps_backends import HOOKS_CURRENT_STREAM_MIN_TORCH
+        from mps_fused_adam.backends.mps import HOOKS_CURRENT_STREAM_MIN_TORCH
         self.version = version
         self.follows_current = version >= HOOKS_CURRENT_STREAM_MIN_TORCH
         self.default = FakeStream("default")
@@ -411,7 +411,7 @@ class FakeMpsApi:
 
 def make_backend(tier: int, pkg: Path, emu: Emulator, **kw):
     """Tier ``tier`` (1-3) of mps_backends.mps_tiers, its Apple pieces replaced by the stand-ins."""
-    from mps_fused_adam.mps_backends import mps_tiers
+    from mps_fused_adam.backends.mps import mps_tiers
     ext = kw.pop("ext", None) or FakeMetalExt(emu)
     tiers = mps_tiers(load_ext=lambda: ext, mps_api=kw.pop("api", None) or FakeMpsApi(emu), package_dir=pkg,
                       probe_device="cpu")

@@ -183,7 +183,7 @@ def test_metallib_in_a_linux_wheel_is_refused(tmp_path):
 
 
 def test_checker_metallib_name_is_the_loaders():
-    from mps_fused_adam.mps_backends import METALLIB_NAME
+    from mps_fused_adam.backends.mps import METALLIB_NAME
     assert cw.METALLIB == METALLIB_NAME
 
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from emulated_mps import DispatchAssertQueueFailed, FakeMetalExt, FakeTorchMps, make_backend
-from mps_fused_adam.contract import AdamHyper
-from mps_fused_adam.mps_backends import HOOKS_CURRENT_STREAM_MIN_TORCH
-from mps_fused_adam.reference import reference_adam_
+from mps_fused_adam.numerics.contract import AdamHyper
+from mps_fused_adam.backends.mps import HOOKS_CURRENT_STREAM_MIN_TORCH
+from mps_fused_adam.numerics.reference import reference_adam_
 
 SIZES = (5, 4097, 64)
 
