@@ -409,9 +409,22 @@ def check_sdist(path: str | Path) -> list[str]:
     if not any(re.fullmatch(r"metal/[^/]+\.metal", f) for f in files):
         problems.append("metal/ has no .metal sources")
     if "CMakeLists.txt" in files:
-        for inc in re.findall(r"include\(\s*(cmake/[^\s)]+\.cmake)\s*\)", read("CMakeLists.txt")):
-            if inc not in files:
-                problems.append(f"{inc}, included by CMakeLists.txt, is missing")
+        # CMakeLists.txt's includes, and theirs (cmake/apple_metal.cmake includes its toolchain
+        # probe as ${CMAKE_CURRENT_LIST_DIR}/metal_toolchain.cmake).
+        pending, seen = [("CMakeLists.txt", "")], set()
+        while pending:
+            includer, folder = pending.pop()
+            text = read(includer)
+            incs = re.findall(r"include\(\s*(cmake/[^\s)]+\.cmake)\s*\)", text)
+            incs += [folder + n for n in re.findall(r"include\(\s*\$\{CMAKE_CURRENT_LIST_DIR\}/([^\s)/]+\.cmake)\s*\)", text)]
+            for inc in incs:
+                if inc in seen:
+                    continue
+                seen.add(inc)
+                if inc not in files:
+                    problems.append(f"{inc}, included by {includer}, is missing")
+                else:
+                    pending.append((inc, inc.rsplit("/", 1)[0] + "/"))
     if "PKG-INFO" in files:
         v = re.search(r"^Version: (.+)$", read("PKG-INFO"), re.M)
         if not v or v.group(1).strip() != m["version"]:

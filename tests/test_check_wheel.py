@@ -339,7 +339,8 @@ SDIST_FILES = {
     "pyproject.toml": b"[project]\nname = 'mps-fused-adam'\n",
     "CMakeLists.txt": b"include(cmake/cpu_adam.cmake)\nif(APPLE)\n  include(cmake/apple_metal.cmake)\nendif()\n",
     "cmake/cpu_adam.cmake": b"# cpu\n",
-    "cmake/apple_metal.cmake": b"# apple\n",
+    "cmake/apple_metal.cmake": b"# apple\ninclude(${CMAKE_CURRENT_LIST_DIR}/metal_toolchain.cmake)\n",
+    "cmake/metal_toolchain.cmake": b"# probe\n",
     "src/cpu/step.cpp": b"int x;\n",
     "metal/fused_adam.metal": b"kernel void adam() {}\n",
     "python/mps_fused_adam/__init__.py": b"",
@@ -366,6 +367,7 @@ def test_well_formed_sdist_passes(tmp_path):
 @pytest.mark.parametrize("change,word", [
     (lambda f: f.pop("metal/fused_adam.metal"), "metal/"),
     (lambda f: f.pop("cmake/apple_metal.cmake"), "cmake/apple_metal.cmake"),
+    (lambda f: f.pop("cmake/metal_toolchain.cmake"), "cmake/metal_toolchain.cmake, included by cmake/apple_metal.cmake"),
     (lambda f: f.pop("README.md"), "README.md"),
     (lambda f: f.__setitem__("LICENSE", b""), "LICENSE is empty"),
     (lambda f: f.__setitem__("python/mps_fused_adam/_cpu.cpython-311-x86_64-linux-gnu.so", b"\0"), "build product"),
@@ -375,6 +377,16 @@ def test_doctored_sdist(tmp_path, change, word):
     files = dict(SDIST_FILES)
     change(files)
     assert_one_problem(cw.check_sdist(make_sdist(tmp_path, files)), word)
+
+
+def test_sdist_includes_are_the_real_ones():
+    """The fixture's include lines are those of the real build files (so the check above follows
+    what CMake follows)."""
+    repo = Path(__file__).resolve().parents[1]
+    if not (repo / "CMakeLists.txt").is_file():
+        pytest.skip("needs the source tree")
+    assert "include(cmake/apple_metal.cmake)" in (repo / "CMakeLists.txt").read_text()
+    assert "include(${CMAKE_CURRENT_LIST_DIR}/metal_toolchain.cmake)" in (repo / "cmake" / "apple_metal.cmake").read_text()
 
 
 # ----------------------------------------------------------------------------- command line
