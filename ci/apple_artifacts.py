@@ -149,8 +149,10 @@ def extract(wheel: Path, member: str) -> Path:
 
 def torch_releases_since(minimum: tuple[int, int]) -> list[str]:
     """Every final torch release from ``minimum`` on that has a macOS arm64 wheel (pip index)."""
+    # Short timeout, one retry: the tests ask at collection time, and a machine without network
+    # should hear "unavailable" in seconds, not after pip's default retries.
     cmd = [sys.executable, "-m", "pip", "index", "versions", "torch", "--only-binary=:all:",
-           "--platform", PLATFORM, "--python-version", PYTHON_VERSION]
+           "--platform", PLATFORM, "--python-version", PYTHON_VERSION, "--timeout", "20", "--retries", "1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=uncapped_pip_env())
     m = re.search(r"Available versions:\s*(.+)", proc.stdout)
     if proc.returncode != 0 or not m:
