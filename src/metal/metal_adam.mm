@@ -4,7 +4,7 @@
 // encoder on PyTorch's command buffer, on PyTorch's queue, without waiting for the GPU: tensors =
 // [params, grads, state lists...], each tensor a (MTLBuffer handle, byte offset, numel) triple;
 // list k binds to buffer k, then the scalar blob (the rule's struct), base and n. Caller:
-// mps_backends.py; stand-in: tests/emulated_mps.py. Untested on Apple hardware (checks:
+// backends/mps.py; stand-in: tests/emulated_mps.py. Untested on Apple hardware (checks:
 // tests/test_apple_artifacts.py).
 #import <Foundation/Foundation.h>
 #import <Metal/Metal.h>
@@ -39,7 +39,7 @@ struct TorchMps {
 TorchMps g_torch;
 
 constexpr uint64_t kElemsPerThread = 4;
-constexpr uint64_t kMaxThreadsPerDispatch = uint64_t(1) << 30;  // see mps_backends.py
+constexpr uint64_t kMaxThreadsPerDispatch = uint64_t(1) << 30;  // see backends/mps.py
 constexpr NSUInteger kGroupSize = 256;
 constexpr size_t kMaxLists = 8;        // param, grad and up to 6 states
 constexpr size_t kMaxScalarBytes = 4096;  // setBytes' limit
