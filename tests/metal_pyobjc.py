@@ -28,8 +28,9 @@ FAMILIES = {"Apple5": Metal.MTLGPUFamilyApple5, "Apple6": Metal.MTLGPUFamilyAppl
 
 
 def macos() -> tuple[int, int]:
-    major, minor = (platform.mac_ver()[0].split(".") + ["0"])[:2]
-    return int(major), int(minor)
+    """(major, minor) of macOS; (0, 0) elsewhere."""
+    parts = [int(x) for x in platform.mac_ver()[0].split(".") if x.isdigit()] + [0, 0]
+    return parts[0], parts[1]
 
 
 class MetalDevice:
@@ -98,9 +99,9 @@ def say(**kw) -> None:
     print(json.dumps(kw), flush=True)
 
 
-def mm_main(metallib: str) -> None:
+def mm_main(metallib: str, selected=None) -> None:
     """The ``.mm`` on this device: a stream probe first (``stream``: "ok" or what failed), then
-    the harness through ``_metal.step`` (``report``, ``failures``)."""
+    the harness (``selected`` cases, default all) through ``_metal.step`` (``report``, ``failures``)."""
     if not torch.backends.mps.is_available():
         return say(stream="torch.backends.mps.is_available() is False")
     try:
@@ -112,7 +113,7 @@ def mm_main(metallib: str) -> None:
     from mps_fused_adam.mps_backends import KERNELS
     device = MetalDevice(metallib)
     _metal.load(metallib, sorted(KERNELS.values()))
-    reports = run_all(device, ExtSubmit(_metal, torch.mps.synchronize))
+    reports = run_all(device, ExtSubmit(_metal, torch.mps.synchronize), selected)
     say(report=report_text(device, reports), failures=failures(reports))
 
 

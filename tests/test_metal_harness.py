@@ -59,6 +59,12 @@ def test_cases_cover_every_kernel_and_layout():
     assert len(adam_modes) == 8  # adamw/l2 x bias correction x maximize
 
 
+def one_per_kernel() -> list[mh.Case]:
+    """The largest case of each kernel (a tail, offsets, several dispatches, NaN/Inf), for the
+    tests of the call paths, which the cases of one kernel exercise alike."""
+    return list({c.kernel: c for c in sorted(mh.cases(), key=lambda c: c.n)}.values())
+
+
 def test_every_kernel_on_the_emulator_is_bit_identical(emu, capsys):
     dev = mh.EmulatorDevice(emu)
     reports = mh.run_all(dev)
@@ -78,9 +84,7 @@ def test_the_mm_call_shape_on_the_emulator(emu, tmp_path):
     ext = FakeMetalExt(emu)
     ext.load(str(lib), sorted(KERNELS.values()))
     dev = mh.EmulatorDevice(emu)
-    # The largest case of each kernel (a tail, offsets, NaN/Inf), to keep the suite fast.
-    selected = {c.kernel: c for c in sorted(mh.cases(), key=lambda c: c.n)}.values()
-    reports = mh.run_all(dev, mh.ExtSubmit(ext, lambda: None), selected=selected)
+    reports = mh.run_all(dev, mh.ExtSubmit(ext, lambda: None), selected=one_per_kernel())
     assert mh.failures(reports, require=True) == []
     assert all(r.cases == 1 and r.stats.identical == r.stats.elements for r in reports.values())
     assert len(ext.calls) == mh.STEPS * len(KERNELS)
@@ -148,6 +152,74 @@ def test_skips_under_require_metal(emu):
     assert reports["fused_lion_float_float"].ok
 
 
+# --------------------------------------------------------------------------- the driver on fake pyobjc
+
+@pytest.fixture
+def fake_driver(emu, monkeypatch, tmp_path):
+    """tests/metal_pyobjc.py imported over tests/fake_pyobjc.py's Metal, Foundation and objc,
+    and a placeholder metallib: (the module, the metallib path)."""
+    import fake_pyobjc
+    for name, module in fake_pyobjc.modules(emu).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setitem(sys.modules, "metal_pyobjc", None)  # restored (or removed) afterwards
+    del sys.modules["metal_pyobjc"]
+    import platform
+    monkeypatch.setattr(platform, "mac_ver", lambda: ("15.5", ("", "", ""), "arm64"))
+    import metal_pyobjc
+    lib = tmp_path / METALLIB_NAME
+    lib.write_bytes(b"MTLB placeholder")
+    return metal_pyobjc, lib
+
+
+def test_the_pyobjc_driver_on_fake_metal(fake_driver, capsys):
+    """The Apple-only driver's own logic (buffer indices of the scalars, base and n; shared
+    buffers through contents(); one command buffer per step) on Linux, every kernel."""
+    driver, lib = fake_driver
+    dev = driver.MetalDevice(str(lib))
+    reports = mh.run_all(dev, selected=one_per_kernel())
+    text = mh.report_text(dev, reports)
+    assert "GPU families: Apple5 yes, Apple6 no, Apple7 no, Apple8 no, Apple9 no, Metal3 yes; " \
+           "bfloat (Metal 3.1 on a Metal 3 GPU): documented" in text and "macOS 15.5" in text
+    assert mh.failures(reports, require=True) == []
+    assert all(r.stats.identical == r.stats.elements for r in reports.values())
+
+
+def test_the_pyobjc_driver_reports_bfloat_as_a_device_limit(fake_driver, monkeypatch):
+    """Without the Metal 3 family a bfloat pipeline that fails is a documented skip; any other
+    kernel's failure is not."""
+    driver, lib = fake_driver
+    dev = driver.MetalDevice(str(lib))
+    dev.families["Metal3"] = False
+    monkeypatch.setattr(dev.dev, "newComputePipelineStateWithFunction_error_", lambda fn, err: (None, "refused"))
+    with pytest.raises(mh.KernelUnavailable) as bf:
+        dev.prepare("fused_adam_bfloat_float")
+    with pytest.raises(mh.KernelUnavailable) as f32:
+        dev.prepare("fused_adam_float_float")
+    assert bf.value.documented and not f32.value.documented and "refused" in f32.value.reason
+
+
+def test_the_mm_child_on_fake_metal(fake_driver, emu, monkeypatch, capsys):
+    """mm_main's probe and its run through _metal (here the stand-in of the .mm)."""
+    driver, lib = fake_driver
+    import mps_fused_adam
+    ext = FakeMetalExt(emu)
+    monkeypatch.setitem(sys.modules, "mps_fused_adam._metal", ext)
+    monkeypatch.setattr(mps_fused_adam, "_metal", ext, raising=False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+
+    def broken():
+        raise RuntimeError("MPS backend out of memory")
+    monkeypatch.setattr(torch.mps, "synchronize", broken)
+    driver.mm_main(str(lib))
+    out = [json.loads(l) for l in capsys.readouterr().out.splitlines()]
+    assert out == [{"stream": "torch.mps.synchronize() raised RuntimeError: MPS backend out of memory"}]
+    monkeypatch.setattr(torch.mps, "synchronize", lambda: None)
+    driver.mm_main(str(lib), one_per_kernel())
+    out = [json.loads(l) for l in capsys.readouterr().out.splitlines()]
+    assert out[0] == {"stream": "ok"} and out[1]["failures"] == [], out
+    assert len(ext.calls) == mh.STEPS * len(KERNELS) and ext.loaded == [str(lib)]
+
+
 # --------------------------------------------------------------------------- a real Metal device
 
 def installed_metallib() -> Path:
@@ -207,7 +279,7 @@ PYTHON_SIDE = {"as_buffer": "pyobjc's varlist: a writable memoryview of a void* 
                "items": "dict", "join": "str", "split": "str", "pyobjc_id": "objc: the object's address",
                "mac_ver": "platform", "machine": "platform", "pack": "struct", "frombuffer": "torch",
                "dumps": "json", "is_available": "torch", "synchronize": "torch", "load": "_metal",
-               "exit": "sys"}
+               "exit": "sys", "isdigit": "str"}
 # Enum values the driver relies on (Apple's MTLGPUFamily, MTLResourceOptions, MTLCommandBufferStatus).
 CONSTANTS = {"MTLGPUFamilyApple5": 1005, "MTLGPUFamilyApple6": 1006, "MTLGPUFamilyApple7": 1007,
              "MTLGPUFamilyApple8": 1008, "MTLGPUFamilyApple9": 1009, "MTLGPUFamilyMetal3": 5001,
