@@ -12,10 +12,11 @@ import platform
 
 import torch
 
-from mps_fused_adam import _cpu, bench_rules
-from mps_fused_adam.bench import _DTYPE_CODES, _contenders, _params
-from mps_fused_adam.contract import RULES, AdamHyper, LionHyper
-from mps_fused_adam.timing import alternated_best, interleaved
+from mps_fused_adam import _cpu
+from mps_fused_adam.tools import bench_rules
+from mps_fused_adam.tools.bench import _DTYPE_CODES, _contenders, _params
+from mps_fused_adam.numerics.contract import RULES, AdamHyper, LionHyper
+from mps_fused_adam.tools.timing import alternated_best, interleaved
 
 BF16 = torch.bfloat16
 

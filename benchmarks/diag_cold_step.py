@@ -11,7 +11,7 @@ import time
 import torch
 
 import mps_fused_adam as mfa
-from mps_fused_adam.bench import _floor_fn, _params
+from mps_fused_adam.tools.bench import _floor_fn, _params
 
 th = int(sys.argv[1]) if len(sys.argv) > 1 else torch.get_num_threads()
 torch.set_num_threads(th)

@@ -6,8 +6,8 @@ import torch
 torch.set_num_threads(1)
 import mps_fused_adam as mfa
 from mps_fused_adam import _cpu
-from mps_fused_adam.contract import RULES, AdamHyper
-from mps_fused_adam.timing import interleaved
+from mps_fused_adam.numerics.contract import RULES, AdamHyper
+from mps_fused_adam.tools.timing import interleaved
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 n = 1 << 26
 torch.manual_seed(0)

@@ -14,9 +14,10 @@ import platform
 
 import torch
 
-from mps_fused_adam import _cpu, bench_rules
-from mps_fused_adam.bench import DTYPE_CASES, _contenders, _params
-from mps_fused_adam.timing import interleaved
+from mps_fused_adam import _cpu
+from mps_fused_adam.tools import bench_rules
+from mps_fused_adam.tools.bench import DTYPE_CASES, _contenders, _params
+from mps_fused_adam.tools.timing import interleaved
 
 
 def at(far, fn):

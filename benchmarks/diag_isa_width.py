@@ -19,9 +19,9 @@ import torch
 
 from mps_fused_adam import _cpu
 from mps_fused_adam.backends import get_backend
-from mps_fused_adam.bench import _floor_fn, _params
-from mps_fused_adam.contract import AdagradHyper, AdamHyper, LionHyper
-from mps_fused_adam.timing import interleaved_rounds, ratio_spread
+from mps_fused_adam.tools.bench import _floor_fn, _params
+from mps_fused_adam.numerics.contract import AdagradHyper, AdamHyper, LionHyper
+from mps_fused_adam.tools.timing import interleaved_rounds, ratio_spread
 
 HYPER = {"adam": AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=10),
          "lion": LionHyper(lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.01),

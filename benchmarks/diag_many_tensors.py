@@ -8,8 +8,8 @@ transparent-huge-page mode, which decides whether large allocations get 2 MiB pa
 import torch
 
 import mps_fused_adam as mfa
-from mps_fused_adam.bench import _floor_fn
-from mps_fused_adam.timing import interleaved
+from mps_fused_adam.tools.bench import _floor_fn
+from mps_fused_adam.tools.timing import interleaved
 
 try:
     thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()

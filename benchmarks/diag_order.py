@@ -8,8 +8,8 @@ the floor (the median of the round-by-round ratios) and each contender's median 
 ``python benchmarks/diag_order.py THREADS``"""
 import random, statistics, sys, time
 import torch
-from mps_fused_adam.bench import _contenders, _params
-from mps_fused_adam.timing import ratio_spread
+from mps_fused_adam.tools.bench import _contenders, _params
+from mps_fused_adam.tools.timing import ratio_spread
 F32 = torch.float32
 th = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 params = _params(1, 64 << 20, F32)

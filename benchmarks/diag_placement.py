@@ -10,8 +10,8 @@ import os
 import torch
 
 import mps_fused_adam as mfa
-from mps_fused_adam.bench import DTYPE_CASES, _floor_fn, _params
-from mps_fused_adam.timing import interleaved
+from mps_fused_adam.tools.bench import DTYPE_CASES, _floor_fn, _params
+from mps_fused_adam.tools.timing import interleaved
 
 
 def main():

@@ -11,8 +11,8 @@ import platform
 import torch
 
 from mps_fused_adam import _cpu
-from mps_fused_adam.bench import DTYPE_CASES, _contenders, _params
-from mps_fused_adam.timing import interleaved
+from mps_fused_adam.tools.bench import DTYPE_CASES, _contenders, _params
+from mps_fused_adam.tools.timing import interleaved
 
 
 def at(distance, fn):

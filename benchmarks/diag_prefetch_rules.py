@@ -8,9 +8,10 @@ this checks that the choice holds for three streams instead of four.
 import sys
 
 import torch
-from mps_fused_adam import _cpu, bench_rules
-from mps_fused_adam.bench import _params
-from mps_fused_adam.timing import interleaved
+from mps_fused_adam import _cpu
+from mps_fused_adam.tools import bench_rules
+from mps_fused_adam.tools.bench import _params
+from mps_fused_adam.tools.timing import interleaved
 def at(d, fn):
     def run():
         _cpu.set_prefetch_bytes(d); fn()

@@ -69,7 +69,7 @@ def build(workdir: str) -> dict[str, str]:
 
 
 def write_maps(path: str) -> None:
-    from mps_fused_adam import lowbit
+    from mps_fused_adam.numerics import lowbit
     with open(path, "wb") as f:
         for signed in (True, False):
             f.write(lowbit.dynamic_map(signed).numpy().tobytes())

@@ -15,10 +15,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import mps_fused_adam as mfa  # noqa: E402
-from mps_fused_adam import _cpu, lowbit  # noqa: E402
-from mps_fused_adam.contract import AdamHyper  # noqa: E402
-from mps_fused_adam.optim8bit import _PARAM_CODES  # noqa: E402
-from mps_fused_adam.timing import alternated_best, interleaved  # noqa: E402
+from mps_fused_adam import _cpu
+from mps_fused_adam.numerics import lowbit  # noqa: E402
+from mps_fused_adam.numerics.contract import AdamHyper  # noqa: E402
+from mps_fused_adam.optimizers.eight_bit import _PARAM_CODES  # noqa: E402
+from mps_fused_adam.tools.timing import alternated_best, interleaved  # noqa: E402
 from lowbit import _floor8  # noqa: E402
 
 

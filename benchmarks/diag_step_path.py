@@ -24,10 +24,10 @@ import torch
 
 from mps_fused_adam import Adagrad, Lion
 from mps_fused_adam.backends import get_backend
-from mps_fused_adam.bench import _floor_fn, _params
-from mps_fused_adam.bench_rules import HYPER
-from mps_fused_adam.step_plan import _addressed
-from mps_fused_adam.timing import interleaved_rounds
+from mps_fused_adam.tools.bench import _floor_fn, _params
+from mps_fused_adam.tools.bench_rules import HYPER
+from mps_fused_adam.optimizers.step_plan import _addressed
+from mps_fused_adam.tools.timing import interleaved_rounds
 
 CASES = [("flat 64M", 1, 64 << 20), ("1000 x 64K", 1000, 64 << 10)]
 STEP, KERNEL, TORCH, FLOOR = "opt.step()", "kernel call", "through torch's wrapper", "floor"

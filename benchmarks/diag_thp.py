@@ -16,8 +16,8 @@ import torch
 
 def child(threads: int, dtype_name: str, size: int, steps: int) -> None:
     from mps_fused_adam import AdamW
-    from mps_fused_adam.bench import _floor_fn
-    from mps_fused_adam.timing import interleaved
+    from mps_fused_adam.tools.bench import _floor_fn
+    from mps_fused_adam.tools.timing import interleaved
     torch.set_num_threads(threads)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     p = torch.nn.Parameter(torch.randn(size).to(dtype))

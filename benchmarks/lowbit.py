@@ -24,11 +24,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import mps_fused_adam as mfa  # noqa: E402
-from mps_fused_adam import lowbit  # noqa: E402
-from mps_fused_adam.bench import share_states  # noqa: E402
-from mps_fused_adam.contract import AdamHyper  # noqa: E402
-from mps_fused_adam.optim8bit import state_bytes_per_param  # noqa: E402
-from mps_fused_adam.timing import interleaved_rounds, ratio_spread  # noqa: E402
+from mps_fused_adam.numerics import lowbit  # noqa: E402
+from mps_fused_adam.tools.bench import share_states  # noqa: E402
+from mps_fused_adam.numerics.contract import AdamHyper  # noqa: E402
+from mps_fused_adam.optimizers.eight_bit import state_bytes_per_param  # noqa: E402
+from mps_fused_adam.tools.timing import interleaved_rounds, ratio_spread  # noqa: E402
 from test_lowbit_training import LR, make_student, make_task  # noqa: E402
 
 
@@ -118,7 +118,7 @@ def _floor8(opt) -> Callable[[], None]:
     trivial math that keeps every value) on the very param, grad and states of ``opt`` (an
     ``AdamW8bit`` after its first step): bench._floor_fn says why not on copies."""
     from mps_fused_adam import _cpu
-    from mps_fused_adam.optim8bit import _PARAM_CODES
+    from mps_fused_adam.optimizers.eight_bit import _PARAM_CODES
     (p,) = opt.param_groups[0]["params"]
     st = opt.state[p]
     keep = (p, st)

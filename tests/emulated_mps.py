@@ -272,7 +272,7 @@ class FakeMpsApi:
 
 def make_backend(tier: int, pkg: Path, emu: Emulator, **kw):
     """Tier ``tier`` (1-3) of mps_backends.mps_tiers, its Apple pieces replaced by the stand-ins."""
-    from mps_fused_adam.mps_backends import mps_tiers
+    from mps_fused_adam.backends.mps import mps_tiers
     ext = kw.pop("ext", None) or FakeMetalExt(emu)
     tiers = mps_tiers(load_ext=lambda: ext, mps_api=kw.pop("api", None) or FakeMpsApi(emu), package_dir=pkg,
                       probe_device="cpu")

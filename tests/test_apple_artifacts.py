@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from conftest import cannot_run, require_tool
-from mps_fused_adam import mps_backends
-from mps_fused_adam.mps_backends import TIER1_MIN_TORCH
+from mps_fused_adam.backends import mps as mps_backends
+from mps_fused_adam.backends.mps import TIER1_MIN_TORCH
 
 REPO = Path(__file__).resolve().parents[1]
 CHECKER = REPO / "ci" / "apple_artifacts.py"

@@ -16,8 +16,8 @@ def _fresh_selfcheck_references():
     """The self-check makes its references once per process (lru_cache); a test that patches the
     contract must neither see references made before nor leave its own behind."""
     def clear():
-        if "mps_fused_adam.selfcheck" in sys.modules:
-            sc = sys.modules["mps_fused_adam.selfcheck"]
+        if "mps_fused_adam.tools.selfcheck" in sys.modules:
+            sc = sys.modules["mps_fused_adam.tools.selfcheck"]
             for name in ("_many_case", "_lowbit_cases"):
                 getattr(sc, name, None) and getattr(sc, name).cache_clear()
     clear()
@@ -72,8 +72,8 @@ def test_check_only_json():
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)  # nothing but the JSON object on stdout
     assert set(report) == {"self_check", "passed"} and report["passed"] is True
-    from mps_fused_adam.contract import RULES
-    from mps_fused_adam.selfcheck import AGREEMENT_BOUND, AGREEMENT_LABEL, PAIRS
+    from mps_fused_adam.numerics.contract import RULES
+    from mps_fused_adam.tools.selfcheck import AGREEMENT_BOUND, AGREEMENT_LABEL, PAIRS
     cpu_paths = [r for r in report["self_check"] if r["backend"].startswith("_cpu (")]
     # Every rule of contract.RULES per dtype pair; 8-bit Adam x 3, stochastic rounding x 2; several
     # tensors in one call; torch.optim.AdamW
@@ -103,7 +103,7 @@ def test_json_report_with_benchmark(monkeypatch, capsys):
     import torch
 
     from mps_fused_adam import __main__ as cli
-    from mps_fused_adam import bench
+    from mps_fused_adam.tools import bench
     monkeypatch.setattr(bench, "QUICK", dict(flat=4096, many=(4, 1024), repeats=5, foreach=False))
     assert cli.main(["--json"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -121,7 +121,7 @@ def test_json_report_with_benchmark(monkeypatch, capsys):
 
 def test_failed_self_check_exits_1(monkeypatch, capsys):
     from mps_fused_adam import __main__ as cli
-    from mps_fused_adam import selfcheck
+    from mps_fused_adam.tools import selfcheck
     bad = selfcheck.CheckResult("_cpu (test)", "cpu", "float32/float32", 9.5, False)
     monkeypatch.setattr(selfcheck, "all_checks", lambda: iter([bad]))
     assert cli.main(["--no-bench"]) == 1
@@ -130,7 +130,7 @@ def test_failed_self_check_exits_1(monkeypatch, capsys):
 
 
 def test_ratio_spread_against_hand_computed_quartiles():
-    from mps_fused_adam.timing import ratio_spread
+    from mps_fused_adam.tools.timing import ratio_spread
     torch_times = [2.0, 2.0, 2.0, 2.0, 2.0]
     ours = [1.0, 2.0, 4.0, 2.5, 1.6]  # ratios 2.0, 1.0, 0.5, 0.8, 1.25
     median, q1, q3 = ratio_spread(torch_times, ours)
@@ -139,7 +139,7 @@ def test_ratio_spread_against_hand_computed_quartiles():
 
 
 def test_noise_note():
-    from mps_fused_adam.bench import Row, noise_note
+    from mps_fused_adam.tools.bench import Row, noise_note
     calm = Row("flat", "fp32", 2, "ours", 1.0, 1.0, 1.0, 1.0, (0.98, 1.03))
     busy = Row("flat", "fp32", 2, "ours", 1.0, 1.0, 1.0, 1.0, (0.80, 1.20))
     assert noise_note([calm]) is None
@@ -147,7 +147,7 @@ def test_noise_note():
 
 
 def test_bench_plot_without_matplotlib_fails_before_running(monkeypatch):
-    from mps_fused_adam import bench
+    from mps_fused_adam.tools import bench
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
 
     def must_not_run(*a, **k):
@@ -173,14 +173,14 @@ class Tampered:
 
 
 def _check(after, device="cpu"):
-    from mps_fused_adam.selfcheck import check_backend
+    from mps_fused_adam.tools.selfcheck import check_backend
     return list(check_backend(Tampered(after), device, "tampered"))
 
 
 def _cases() -> int:
     """check_backend's cases: every rule of contract.RULES in every dtype pair of the self-check."""
-    from mps_fused_adam.contract import RULES
-    from mps_fused_adam.selfcheck import PAIRS
+    from mps_fused_adam.numerics.contract import RULES
+    from mps_fused_adam.tools.selfcheck import PAIRS
     return len(RULES) * len(PAIRS)
 
 
@@ -193,7 +193,7 @@ def test_a_nan_written_by_a_backend_fails_the_check():
 
 
 def test_abs_diff_counts_a_one_sided_nan_as_infinitely_wrong():
-    from mps_fused_adam.selfcheck import CheckResult, _abs_diff
+    from mps_fused_adam.tools.selfcheck import CheckResult, _abs_diff
     nan, inf = float("nan"), float("inf")
     a = torch.tensor([nan, nan, 1.0, inf, inf, -inf, 2.0])
     b = torch.tensor([nan, 1.0, nan, inf, 1.0, inf, 1.5])
@@ -241,7 +241,7 @@ def test_params_not_written_or_moved_backwards_fail_every_case(after):
 
 def test_the_tolerance_off_cpu_admits_rounding_differences():
     import dataclasses
-    from mps_fused_adam.selfcheck import UPDATE_BOUND
+    from mps_fused_adam.tools.selfcheck import UPDATE_BOUND
     results = _check(_one_ulp_off)
     assert len(results) == _cases()
     for r in results:
@@ -257,7 +257,8 @@ def test_a_host_scalar_bug_shared_with_the_reference_fails(monkeypatch, capsys):
     import dataclasses
 
     from mps_fused_adam import __main__ as cli
-    from mps_fused_adam import backends, contract, reference
+    from mps_fused_adam import backends
+    from mps_fused_adam.numerics import contract, reference
     orig = contract.adam_scalars
 
     def buggy(hp):
@@ -276,7 +277,7 @@ def test_a_host_scalar_bug_shared_with_the_reference_fails(monkeypatch, capsys):
 def test_torch_result_of_the_agreement_is_torch_optim_adamw():
     """The agreement check takes torch's result from its functional adamw (cheaper to import):
     it must be what torch.optim.AdamW(foreach=False) gives, bit for bit."""
-    from mps_fused_adam.selfcheck import _torch_adamw
+    from mps_fused_adam.tools.selfcheck import _torch_adamw
     p0, grads, theirs = _torch_adamw(20, 3001, 0.01)
     tp = torch.nn.Parameter(p0.clone())
     opt = torch.optim.AdamW([tp], lr=1e-3, weight_decay=0.01, foreach=False)
@@ -315,7 +316,8 @@ def test_benchmark_without_the_compiled_cpu_kernel_leaves_the_floor_out(monkeypa
     """An install whose _cpu extension did not load (the CPU backend is then foreach): the floor
     runs in that extension, so the benchmark leaves it out and says so instead of crashing."""
     from mps_fused_adam import __main__ as cli
-    from mps_fused_adam import backends, bench
+    from mps_fused_adam import backends
+    from mps_fused_adam.tools import bench
     monkeypatch.setitem(sys.modules, "mps_fused_adam._cpu", None)  # import now raises ImportError
     monkeypatch.setitem(backends._chosen, "cpu", backends.ForeachBackend())
     monkeypatch.setattr(bench, "QUICK", dict(flat=4096, many=(4, 1024), repeats=3, foreach=False))
@@ -338,7 +340,7 @@ def test_json_has_no_infinity_when_a_code_differs(monkeypatch, capsys):
     """An 8-bit kernel storing one wrong code is infinitely wrong; --json printed that as
     ``Infinity``, which JSON parsers other than Python's reject. It is null now."""
     from mps_fused_adam import __main__ as cli
-    from mps_fused_adam import optim8bit
+    from mps_fused_adam.optimizers import eight_bit as optim8bit
     orig = optim8bit._cpu_adam8bit
 
     def one_wrong_code(p, g, st, hp, key):
@@ -365,7 +367,7 @@ def test_a_backend_that_drops_all_but_the_first_tensor_of_a_call_fails(monkeypat
     monkeypatch.setattr(backends.CPUBackend, "update", first_only)
     assert cli.main(["--check", "--json"]) == 1
     failed = [r for r in _strict_json(capsys.readouterr().out)["self_check"] if not r["passed"]]
-    from mps_fused_adam.selfcheck import many_sizes
+    from mps_fused_adam.tools.selfcheck import many_sizes
     sizes = many_sizes(torch.get_num_threads())
     assert failed and all(r["backend"].startswith("_cpu (") and r["dtypes"].startswith(f"{len(sizes)} tensors, ")
                           for r in failed)
@@ -422,7 +424,7 @@ def test_bench_repeats_reach_the_run(module, monkeypatch):
     (["--overhead", "--no-mps"], "--no-mps does not apply to --overhead"),
 ])
 def test_bench_rejects_options_the_chosen_section_would_ignore(argv, message, monkeypatch, capsys):
-    from mps_fused_adam import bench, bench_mps, bench_overhead
+    from mps_fused_adam.tools import bench, bench_mps, bench_overhead
 
     def must_not_run(*a, **k):
         raise AssertionError("a section ran")
@@ -442,7 +444,7 @@ def test_bench_rejects_options_the_chosen_section_would_ignore(argv, message, mo
     ("bench_mps", "mps_benchmark_section", ["--quick", "--repeats", "2"], {"numel": 8 * 2**20, "repeats": 2}),
 ])
 def test_python_m_bench_mps_and_bench_overhead_run_their_section(module, section, argv, expected, monkeypatch):
-    """``python -m mps_fused_adam.bench_mps`` and ``.bench_overhead`` used to print nothing and
+    """``python -m mps_fused_adam.tools.bench_mps`` and ``.bench_overhead`` used to print nothing and
     exit 0; they run their section of the benchmark now, with --repeats honoured."""
     import importlib
     import runpy
@@ -457,7 +459,7 @@ def test_python_m_bench_mps_and_bench_overhead_run_their_section(module, section
 
 
 def test_python_m_bench_mps_says_there_is_no_mps_device():
-    run = subprocess.run([sys.executable, "-m", "mps_fused_adam.bench_mps"], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-m", "mps_fused_adam.tools.bench_mps"], capture_output=True, text=True,
                          timeout=120)
     import torch
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
@@ -501,7 +503,7 @@ def test_unrecognised_env_values_warn_once(name, value, message):
 
 def test_bench_rules_reports_speed_against_torch_fused_where_it_runs(monkeypatch, capsys):
     """torch's fused Adagrad is a contender, yet the column was always '-'."""
-    from mps_fused_adam import bench_rules
+    from mps_fused_adam.tools import bench_rules
     monkeypatch.setattr(bench_rules, "_contenders", lambda rule, params, pd, sd: {})
     monkeypatch.setattr(bench_rules, "interleaved", lambda contenders, repeats: {
         "ours": 1.0, "floor": 0.5, "torch foreach": 8.0, "torch fused": 2.5})
@@ -513,8 +515,8 @@ def test_bench_rules_reports_speed_against_torch_fused_where_it_runs(monkeypatch
 
 
 def test_spread_note_says_min_and_max_below_four_rounds():
-    from mps_fused_adam.bench import SPREAD_NOTE, spread_note
-    from mps_fused_adam.timing import ratio_spread
+    from mps_fused_adam.tools.bench import SPREAD_NOTE, spread_note
+    from mps_fused_adam.tools.timing import ratio_spread
     assert spread_note(4) == SPREAD_NOTE and "middle half" in SPREAD_NOTE
     assert "lowest and highest of those ratios (only 3 rounds: no quartiles)" in spread_note(3)
     assert ratio_spread([2.0, 2.0, 2.0], [1.0, 4.0, 2.5]) == (0.8, 0.5, 2.0)  # median, min, max
@@ -523,7 +525,8 @@ def test_spread_note_says_min_and_max_below_four_rounds():
 def test_json_carries_the_benchmark_notes_and_warnings(monkeypatch, capsys):
     """--json readers saw neither the busy-machine note nor a warning such as the SIMD fallback."""
     from mps_fused_adam import __main__ as cli
-    from mps_fused_adam import backends, bench
+    from mps_fused_adam import backends
+    from mps_fused_adam.tools import bench
     monkeypatch.setattr(bench, "QUICK", dict(flat=4096, many=(4, 1024), repeats=3, foreach=False))
     monkeypatch.setattr(bench, "noise_note", lambda rows: "note: ratios moved by up to +-40%")
     monkeypatch.setenv("MPS_FUSED_ADAM_SIMD", "neon" if "neon" not in backends.get_backend("cpu")._cpu.simd_paths()

@@ -21,8 +21,8 @@ from conftest import require_tool
 import torch
 
 from emulated_mps import METAL_SOURCE, FakeMetalExt, FakeMpsApi, build_emulator
-from mps_fused_adam import bench_mps
-from mps_fused_adam.mps_backends import METALLIB_NAME, mps_tiers
+from mps_fused_adam.tools import bench_mps
+from mps_fused_adam.backends.mps import METALLIB_NAME, mps_tiers
 
 REPO = Path(__file__).resolve().parent.parent
 MM = REPO / "src" / "metal" / "metal_adam.mm"

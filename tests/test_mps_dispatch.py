@@ -17,11 +17,9 @@ import torch
 from conftest import choose_backend_afresh
 from emulated_mps import METAL_SOURCE, FakeMetalExt, FakeMpsApi, make_backend
 from mps_fused_adam import backends
-from mps_fused_adam.contract import RULES, AdamHyper, adam_scalars
-from mps_fused_adam.mps_backends import (KERNELS, MAX_THREADS_PER_DISPATCH, METALLIB_NAME,
-                                         ShaderLibraryBackend, dispatch_plan, find_metal_source,
-                                         mps_tiers, pack_params, params_as_words)
-from mps_fused_adam.reference import reference_adam_
+from mps_fused_adam.numerics.contract import RULES, AdamHyper, adam_scalars
+from mps_fused_adam.backends.mps import (KERNELS, MAX_THREADS_PER_DISPATCH, METALLIB_NAME, ShaderLibraryBackend, dispatch_plan, find_metal_source, mps_tiers, pack_params, params_as_words)
+from mps_fused_adam.numerics.reference import reference_adam_
 
 PAIRS = [(p, s) for rule, p, s in KERNELS if rule == "adam"]
 PAIR_IDS = [KERNELS[("adam", *p)].removeprefix("fused_adam_") for p in PAIRS]
@@ -289,7 +287,7 @@ def test_torch_mps_api_is_what_tiers_2_and_3_call():
 
 
 def test_bundled_source_is_found():
-    from mps_fused_adam import mps_backends
+    from mps_fused_adam.backends import mps as mps_backends
     found = find_metal_source(mps_backends._package_dir())
     assert found.read_text() == METAL_SOURCE.read_text()
 
@@ -298,7 +296,7 @@ def test_fast_math_note_per_tier():
     """What PYTORCH_MPS_FAST_MATH can change: nothing for the prebuilt metallib (tiers 1 and 2);
     for tier 3, which torch compiles, NaN/Inf handling and subnormals (sqrt and division stay
     precise); nothing of ours for foreach."""
-    from mps_fused_adam.mps_backends import fast_math_note
+    from mps_fused_adam.backends.mps import fast_math_note
     for name in ("metal", "load_metallib"):
         for env in ({}, {"PYTORCH_MPS_FAST_MATH": "1"}):
             assert fast_math_note(name, env).startswith("not applicable: prebuilt metallib")

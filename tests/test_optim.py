@@ -9,8 +9,8 @@ import torch
 
 import mps_fused_adam as mfa
 from conftest import public_optimizer_names
-from mps_fused_adam.contract import AdamHyper
-from mps_fused_adam.reference import reference_adam_
+from mps_fused_adam.numerics.contract import AdamHyper
+from mps_fused_adam.numerics.reference import reference_adam_
 
 
 def make_model(dtype=torch.float32):
@@ -396,7 +396,7 @@ DEEPCOPY_CASES = {
 def test_every_fused_optimizer_class_is_deep_copied():
     """Every public class of optim.py's shared step path (a new rule's too) is in DEEPCOPY_CASES,
     except Adam, which AdamW covers (same class body, another default)."""
-    from mps_fused_adam.optim import _FusedOptimizer
+    from mps_fused_adam.optimizers.fused import _FusedOptimizer
     fused = [n for n in public_optimizer_names() if issubclass(getattr(mfa, n), _FusedOptimizer)]
     assert sorted([*DEEPCOPY_CASES, "Adam"]) == fused
 

@@ -72,7 +72,7 @@ def print_environment(env: dict[str, Any]) -> None:
 
 def self_check(echo: bool) -> list[dict[str, Any]]:
     """Every available backend against the reference; printed line by line as it runs if ``echo``."""
-    from .selfcheck import UPDATE_BOUND, CheckResult, all_checks
+    from .tools.selfcheck import UPDATE_BOUND, CheckResult, all_checks
     if echo:
         print("Self-check against the reference (on CPU: bit for bit; elsewhere within 8 eps x max|ref| "
               f"and {UPDATE_BOUND:g} of each tensor's movement):")
@@ -105,7 +105,7 @@ def benchmark(echo: bool, notes: Optional[list[str]] = None) -> list[dict[str, A
 
     import torch
 
-    from . import bench
+    from .tools import bench
     if echo:
         print("Short benchmark (python -m mps_fused_adam.bench for the full one):")
         print(bench.spread_note(bench.QUICK["repeats"]))
@@ -167,7 +167,7 @@ def _run(args: argparse.Namespace, report: dict[str, Any]) -> int:
     report["self_check"] = self_check(echo=text)
     failed = sum(not r["passed"] for r in report["self_check"])
     if not args.check_only:
-        from .selfcheck import torch_agreement
+        from .tools.selfcheck import torch_agreement
         a = report["torch_agreement"] = torch_agreement()
         failed += not a["passed"]
         if text:

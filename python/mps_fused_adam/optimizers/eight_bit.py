@@ -11,13 +11,14 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from . import dtensor, lowbit, validate
-from .contract import AdamHyper
-from .lowbit import MIN_8BIT_SIZE, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE, num_blocks
-from .backends import CPUBackend, get_backend, update_staged
-from .optim import _optimizer_method, load_state_dict_with_hooks
+from . import dtensor, validate
+from ..numerics import lowbit
+from ..numerics.contract import AdamHyper
+from ..numerics.lowbit import MIN_8BIT_SIZE, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE, num_blocks
+from ..backends import CPUBackend, get_backend, update_staged
+from .fused import _optimizer_method, load_state_dict_with_hooks
 from .step_entry import fast_step_entry
-from .reference_lowbit import reference_adam8bit_, reference_adam_sr_
+from ..numerics.reference_lowbit import reference_adam8bit_, reference_adam_sr_
 
 _Params = Iterable[Any]
 
@@ -258,7 +259,7 @@ def _update(p: torch.Tensor, g: torch.Tensor, st: dict[str, Any], hp: AdamHyper,
 
 
 def _metal_backends() -> tuple:
-    from .mps_backends import MetalExtBackend, ShaderLibraryBackend
+    from ..backends.mps import MetalExtBackend, ShaderLibraryBackend
     return (MetalExtBackend, ShaderLibraryBackend)
 
 
@@ -278,7 +279,7 @@ def _metal_adam8bit(backend: Any, p: torch.Tensor, g: torch.Tensor, st: dict[str
 
 def _cpu_ext() -> Any:
     try:
-        from . import _cpu
+        from .. import _cpu
     except ImportError:
         return None
     return _cpu if hasattr(_cpu, "adam8bit_step") else None

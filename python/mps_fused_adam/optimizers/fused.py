@@ -17,8 +17,8 @@ import torch
 
 from . import dtensor, step_plan, validate
 from .step_entry import fast_step_entry
-from .backends import SUPPORTED_DTYPES, get_backend, update_staged
-from .contract import RULES, AdagradHyper, AdamHyper, LionHyper
+from ..backends import SUPPORTED_DTYPES, get_backend, update_staged
+from ..numerics.contract import RULES, AdagradHyper, AdamHyper, LionHyper
 
 _Params = Iterable[Any]
 
@@ -429,10 +429,10 @@ def _stochastic_round_step(device: torch.device, ps: list, gs: list, ms: list, v
     (one dispatch per tensor: the key is per tensor), else the plain-torch reference one tensor
     at a time. Each param gets its own 64-bit seed in its state (``sr_seed``) on its first such
     step."""
-    from . import lowbit
-    from .backends import CPUBackend
-    from .mps_backends import MetalExtBackend, ShaderLibraryBackend
-    from .reference_lowbit import reference_adam_sr_
+    from ..numerics import lowbit
+    from ..backends import CPUBackend
+    from ..backends.mps import MetalExtBackend, ShaderLibraryBackend
+    from ..numerics.reference_lowbit import reference_adam_sr_
     for st in states:
         if "sr_seed" not in st:
             st["sr_seed"] = lowbit.new_sr_seed()

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import sys
 import time
 from typing import Any, Callable, Iterator
 
 import torch
 
-from . import AdamW, CPUAdam, backends
-from .contract import RULES, AdamHyper
-from .mps_backends import MetalExtBackend, ShaderLibraryBackend, KERNELS
+from .. import AdamW, CPUAdam, backends
+from ..numerics.contract import RULES, AdamHyper
+from ..backends.mps import MetalExtBackend, ShaderLibraryBackend, KERNELS
 
 
 class _NoopBackend:
@@ -75,7 +74,7 @@ def _backend_for_cpu(backend: Any) -> Iterator[None]:
 def _metal_ext_backend() -> MetalExtBackend:
     backend = MetalExtBackend.__new__(MetalExtBackend)  # skips loading a metallib the stand-in ignores
     backend._ext = _NoopMetalExt()
-    from .mps_backends import mps_buffer
+    from ..backends.mps import mps_buffer
     backend._buffer_of = mps_buffer
     return backend
 
@@ -98,7 +97,7 @@ def _step_times(opt: torch.optim.Optimizer, params: list, size: int, dtype: torc
 
 
 def _kernel_times(opt: torch.optim.Optimizer, params: list, repeats: int) -> list[float]:
-    from . import _cpu
+    from .. import _cpu
     states = [opt.state[p] for p in params]
     pd, sd = params[0].dtype, states[0]["exp_avg"].dtype
     rule = RULES["adam"]
@@ -149,8 +148,3 @@ def overhead_section(count: int = 1000, size: int = 16, repeats: int = 200) -> l
                 print(f"| {label} | {tier} | | {row['fastest_us']:.2f} | {row['median_cpu_us']:.2f} |", flush=True)
             rows.append(row)
     return rows
-
-
-if __name__ == "__main__":  # the options live in one place: python -m mps_fused_adam.bench --overhead
-    from .bench import main
-    sys.exit(main(["--overhead", *sys.argv[1:]]))

@@ -17,29 +17,11 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
-from .contract import AdagradHyper, AdamHyper, LionHyper, adagrad_scalars, adam_scalars, lion_scalars
-from .contract import rule as rule_spec
+from ..numerics.contract import AdagradHyper, AdamHyper, LionHyper, adagrad_scalars, adam_scalars, lion_scalars
+from ..numerics.contract import rule as rule_spec
+from .addressing import Addressed, addresses, numels  # noqa: F401  (re-exported: the backends' shared input)
 
 TensorList = Sequence[torch.Tensor]
-
-
-class Addressed(list):
-    """A list of tensors that also carries what a backend would otherwise read from each of them:
-    ``addresses`` (``data_ptr()``) and, where known, ``numels``. The optimizer's step plans hand
-    these over (step_plan.py), having read and checked the addresses this step."""
-
-    addresses: list[int]
-    numels: Optional[list[int]]
-
-
-def addresses(tensors: Sequence[torch.Tensor]) -> list[int]:
-    """Every tensor's ``data_ptr()``, taken from an :class:`Addressed` list when it has them."""
-    return tensors.addresses if type(tensors) is Addressed else [t.data_ptr() for t in tensors]
-
-
-def numels(tensors: Sequence[torch.Tensor]) -> list[int]:
-    known = tensors.numels if type(tensors) is Addressed else None
-    return known if known is not None else [t.numel() for t in tensors]
 
 
 class Backend(Protocol):
@@ -147,7 +129,7 @@ class CPUBackend:
     name = "cpu"
 
     def __init__(self) -> None:
-        from . import _cpu  # noqa: F401  (ImportError tells the caller why this tier is out)
+        from .. import _cpu  # noqa: F401  (ImportError tells the caller why this tier is out)
         self._cpu = _cpu
         self.simd = _cpu.simd_path()
         wanted = os.environ.get("MPS_FUSED_ADAM_SIMD")
@@ -248,7 +230,7 @@ def _tiers(device_type: str) -> list[tuple[str, Callable[[], Backend]]]:
     if device_type == "cpu":
         return [("_cpu extension", CPUBackend)]
     if device_type == "mps":
-        from .mps_backends import mps_tiers
+        from .mps import mps_tiers
         return mps_tiers()
     if device_type in ("cuda", "xpu"):
         return [("torch fused", TorchFusedBackend)]
@@ -282,7 +264,7 @@ def backend_info() -> dict[str, dict[str, object]]:
         if hasattr(backend, "simd"):
             entry["simd"] = backend.simd
         if device_type == "mps":
-            from .mps_backends import fast_math_note
+            from .mps import fast_math_note
             note = fast_math_note(backend.name)
             if note is not None:
                 entry["fast_math"] = note

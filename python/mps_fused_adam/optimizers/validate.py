@@ -6,7 +6,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
-from .backends import SUPPORTED_DTYPES
+from ..backends import SUPPORTED_DTYPES
 
 _SUPPORTED_NAMES = "float32, float16 or bfloat16"
 

@@ -1,4 +1,4 @@
-"""Benchmark of the one-state rules: ``python -m mps_fused_adam.bench_rules [--quick] [--threads N ...]``.
+"""Benchmark of the one-state rules: ``python -m mps_fused_adam.tools.bench_rules [--quick] [--threads N ...]``.
 
 The one-state rules of contract.RULES (Lion, Adagrad) move param, grad and one state per element
 (3 reads, 2 in-place writes). Each case times, interleaved (timing.py): ours (the rule's optimizer
@@ -20,12 +20,12 @@ import torch
 
 import mps_fused_adam
 
-from . import backend_info
-from .backends import get_backend
+from .. import backend_info
+from ..backends import get_backend
 from .bench import (DTYPE_CASES, HEADER, Row, _floor_fn, _params, _print_rows, floor_available, floor_missing_note,
                     positive_int, share_states)
 from .bench_mps import bench_hyper
-from .contract import RULES, example
+from ..numerics.contract import RULES, example
 from .timing import bytes_per_elem, interleaved
 
 # The rules this benchmark runs: those with one state (the floor, rule ``floor1``, has one).

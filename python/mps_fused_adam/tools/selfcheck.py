@@ -27,9 +27,9 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from .backends import ForeachBackend, get_backend
-from .contract import RULES, AdamHyper, example
-from .reference import reference_adam_, reference_step_
+from ..backends import ForeachBackend, get_backend
+from ..numerics.contract import RULES, AdamHyper, example
+from ..numerics.reference import reference_adam_, reference_step_
 
 # The params start at randn * PARAM_SCALE (|p| up to about 0.2) and three steps at lr 1e-2 move
 # them by up to about 0.03: with randn params, 8 eps x max|ref| in bf16 (8 * 2**-7 * 4 = 0.25) was
@@ -210,8 +210,8 @@ def _lowbit_cases(n: int) -> tuple:
     """The low-bit checks' inputs and reference results, made once for every backend checked:
     per 8-bit param dtype (start param, start state, grads per step, sr keys, reference param and
     state), then per stochastic-rounding state dtype (start tensors, grads, keys, references)."""
-    from . import lowbit
-    from .reference_lowbit import reference_adam8bit_, reference_adam_sr_
+    from ..numerics import lowbit
+    from ..numerics.reference_lowbit import reference_adam8bit_, reference_adam_sr_
     gen = torch.Generator().manual_seed(1)
     q8, sr = [], []
     for pd in (torch.float32, torch.float16, torch.bfloat16):
@@ -270,14 +270,14 @@ def check_lowbit(adam8bit: Callable[..., None], adam_sr: Callable[..., None], de
 
 
 def _cpu_lowbit(cpu: Any) -> tuple[Callable[..., None], Callable[..., None]]:
-    from .optim8bit import _cpu_adam8bit
+    from ..optimizers.eight_bit import _cpu_adam8bit
     return (_cpu_adam8bit,
             lambda p, g, m, v, hp, key: cpu.update("adam", [p], [g], [[m], [v]], hp, sr_keys=[key]))
 
 
 def _metal_lowbit(backend: Any) -> tuple[Callable[..., None], Callable[..., None]]:
-    from . import lowbit
-    from .optim8bit import _metal_adam8bit
+    from ..numerics import lowbit
+    from ..optimizers.eight_bit import _metal_adam8bit
     return (lambda p, g, st, hp, key: _metal_adam8bit(backend, p, g, st, hp, key),
             lambda p, g, m, v, hp, key: backend.update(lowbit.ADAM_SR.name, [p], [g], [[m], [v]],
                                                        lowbit.AdamSRHyper(hp, key)))
@@ -286,7 +286,7 @@ def _metal_lowbit(backend: Any) -> tuple[Callable[..., None], Callable[..., None
 def all_checks() -> Iterator[CheckResult]:
     cpu = get_backend("cpu")
     if cpu.name == "cpu":
-        from . import _cpu
+        from .. import _cpu
         before = _cpu.simd_path()
         try:
             for path in _cpu.simd_paths():
@@ -301,7 +301,7 @@ def all_checks() -> Iterator[CheckResult]:
     yield check_many(ForeachBackend(), "cpu", "foreach")
     yield check_agreement(ForeachBackend(), "cpu", "foreach")
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        from .mps_backends import mps_tiers
+        from ..backends.mps import mps_tiers
         for label, make in mps_tiers():
             try:
                 backend = make()

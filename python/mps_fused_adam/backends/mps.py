@@ -26,9 +26,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .backends import addresses, numels
-from .contract import RULES, AdamHyper, rule as rule_spec
-from .lowbit import ADAM8BIT, ADAM_SR
+from .addressing import addresses, numels
+from ..numerics.contract import RULES, AdamHyper, rule as rule_spec
+from ..numerics.lowbit import ADAM8BIT, ADAM_SR
 
 ELEMS_PER_THREAD = 4
 # 2^30 threads cover 2^32 elements: thread_position_in_grid is a 32-bit uint, and keeping each
@@ -150,7 +150,7 @@ def torch_version() -> tuple[int, int]:
 
 
 def _package_dir() -> Path:
-    return Path(__file__).resolve().parent
+    return Path(__file__).resolve().parent.parent
 
 
 def find_metal_source(package_dir: Path) -> Path:
@@ -230,7 +230,7 @@ def probe(backend: Any, device: str | torch.device) -> None:
     release whose ShaderLibrary binds a kernel's arguments otherwise than 2.13's, the one read
     from its sources; a metallib the GPU rejects) is refused like one that does not load, and the
     next tier runs, instead of the first training step failing. Untested on Apple hardware."""
-    from .reference import reference_adam_
+    from ..numerics.reference import reference_adam_
     gen = torch.Generator().manual_seed(0)
     n = PROBE_ELEMENTS
     base = [torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 0.1, torch.zeros(n), torch.zeros(n)]
@@ -265,7 +265,7 @@ def mps_tiers(*, load_ext: Callable[[], Any] | None = None, mps_api: Any = None,
         return mps_api if mps_api is not None else torch.mps
 
     def import_ext() -> Any:
-        from . import _metal  # ImportError: not built (non-Apple wheel) or not loadable
+        from .. import _metal  # ImportError: not built (non-Apple wheel) or not loadable
         return _metal
 
     def tier1() -> MetalExtBackend:

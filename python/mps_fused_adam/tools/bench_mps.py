@@ -9,13 +9,12 @@ hit all of them alike. Times are medians; every timed call ends with ``torch.mps
 """
 from __future__ import annotations
 
-import sys
 from typing import Callable
 
 import torch
 
-from . import lowbit
-from .contract import RULES, AdamHyper, example
+from ..numerics import lowbit
+from ..numerics.contract import RULES, AdamHyper, example
 from .timing import bytes_per_elem, interleaved
 
 # Rules after Adam: (rule, param dtype, state dtype): every other rule of contract.RULES in fp32,
@@ -149,7 +148,7 @@ def mps_benchmark_section(numel: int = 64 * 2**20, many: tuple[int, int] = (1000
     if not _mps_available():
         out("MPS: no MPS device; the Metal section runs on Apple Silicon only")
         return []
-    from .mps_backends import mps_tiers
+    from ..backends.mps import mps_tiers
     return _run_section(numel, many, tiny, repeats, out, device="mps", sync=torch.mps.synchronize,
                         tiers=mps_tiers())
 
@@ -195,8 +194,3 @@ def _run_section(numel, many, tiny, repeats, out, *, device: str, sync: Callable
         measure(f"flat {numel}", [numel], pdtype, sdtype, rule,
                 lambda ts: _rule_contenders(rule, ts, pdtype, sdtype, tiers))
     return rows
-
-
-if __name__ == "__main__":  # the options live in one place: python -m mps_fused_adam.bench --mps-only
-    from .bench import main
-    sys.exit(main(["--mps-only", *sys.argv[1:]]))

@@ -45,7 +45,7 @@ from typing import Any, Optional
 import torch
 
 from . import dtensor
-from .backends import Addressed
+from ..backends import Addressed
 
 
 @dataclass
@@ -86,7 +86,7 @@ MAX_WAIT = 64
 def native() -> Any:
     """The ``_cpu`` extension, which holds the C++ checks; None where it is not built."""
     try:
-        from . import _cpu
+        from .. import _cpu
     except ImportError:
         return None
     if not _HANDLES_TRIED:
