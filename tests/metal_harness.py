@@ -32,11 +32,11 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 import torch
 
 # The package pieces the harness rests on, imported in one place.
-from mps_fused_adam import lowbit
-from mps_fused_adam.contract import AdamHyper, example
-from mps_fused_adam.mps_backends import KERNELS, METAL_RULES, dispatch_plan, pack_params
-from mps_fused_adam.reference import reference_step_
-from mps_fused_adam.reference_lowbit import reference_adam8bit_, reference_adam_sr_
+from mps_fused_adam.numerics import lowbit
+from mps_fused_adam.numerics.contract import AdamHyper, example
+from mps_fused_adam.backends.mps import KERNELS, METAL_RULES, dispatch_plan, pack_params
+from mps_fused_adam.numerics.reference import reference_step_
+from mps_fused_adam.numerics.reference_lowbit import reference_adam8bit_, reference_adam_sr_
 
 BOUND = 8.0  # the contract's GPU bound, in units of eps(dtype) * max|ref|
 GUARD = 64  # bytes of canary before and after every tensor

@@ -110,7 +110,7 @@ def mm_main(metallib: str, selected=None) -> None:
         return say(stream=f"torch.mps.synchronize() raised {type(exc).__name__}: {exc}")
     say(stream="ok")
     from mps_fused_adam import _metal
-    from mps_fused_adam.mps_backends import KERNELS
+    from mps_fused_adam.backends.mps import KERNELS
     device = MetalDevice(metallib)
     _metal.load(metallib, sorted(KERNELS.values()))
     reports = run_all(device, ExtSubmit(_metal, torch.mps.synchronize), selected)

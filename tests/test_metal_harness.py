@@ -23,7 +23,7 @@ import torch
 
 import metal_harness as mh
 from emulated_mps import FakeMetalExt
-from mps_fused_adam.mps_backends import KERNELS, METALLIB_NAME
+from mps_fused_adam.backends.mps import KERNELS, METALLIB_NAME
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
