@@ -145,7 +145,8 @@ def modules(emu: Any, families: tuple[str, ...] = ("MTLGPUFamilyApple5", "MTLGPU
     metal = types.ModuleType("Metal")
     metal.__dict__.update(FAMILIES, MTLSize=MTLSize, MTLResourceStorageModeShared=0,
                           MTLCommandBufferStatusCompleted=4,
-                          MTLCreateSystemDefaultDevice=lambda: FakeDevice(emu, {FAMILIES[f] for f in families}))
+                          MTLCreateSystemDefaultDevice=lambda: None,  # as in a process without CoreGraphics
+                          MTLCopyAllDevices=lambda: [FakeDevice(emu, {FAMILIES[f] for f in families})])
     foundation = types.ModuleType("Foundation")
     foundation.NSURL = types.SimpleNamespace(fileURLWithPath_=str)
     objc = types.ModuleType("objc")

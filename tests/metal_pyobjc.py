@@ -35,10 +35,14 @@ def macos() -> tuple[int, int]:
 
 class MetalDevice:
     def __init__(self, metallib: str) -> None:
-        dev = Metal.MTLCreateSystemDefaultDevice()
+        # The default device can be nil in a process that does not link CoreGraphics (torch
+        # itself picks from MTLCopyAllDevices): then the first of all devices.
+        dev, how = Metal.MTLCreateSystemDefaultDevice(), "MTLCreateSystemDefaultDevice()"
         if dev is None:
-            raise RuntimeError("MTLCreateSystemDefaultDevice() returned nil: no Metal device")
-        self.dev, self.name = dev, str(dev.name())
+            dev, how = next(iter(Metal.MTLCopyAllDevices() or []), None), "MTLCopyAllDevices()[0]"
+        if dev is None:
+            raise RuntimeError("no Metal device: MTLCreateSystemDefaultDevice() and MTLCopyAllDevices() found none")
+        self.dev, self.name, self.how = dev, str(dev.name()), how
         self.families = {k: bool(dev.supportsFamily_(v)) for k, v in FAMILIES.items()}
         lib, err = dev.newLibraryWithURL_error_(Foundation.NSURL.fileURLWithPath_(metallib), None)
         if lib is None:
@@ -51,7 +55,7 @@ class MetalDevice:
 
     def describe(self) -> list[str]:
         fams = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in self.families.items())
-        return [f"device: {self.name} (registryID {self.dev.registryID()}, unified memory "
+        return [f"device: {self.name} (from {self.how}, registryID {self.dev.registryID()}, unified memory "
                 f"{bool(self.dev.hasUnifiedMemory())}), macOS {platform.mac_ver()[0]}, {platform.machine()}",
                 f"GPU families: {fams}; bfloat (Metal 3.1 on a Metal 3 GPU): "
                 f"{'documented' if self.bfloat_documented() else 'not documented'}"]

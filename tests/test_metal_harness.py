@@ -180,6 +180,7 @@ def test_the_pyobjc_driver_on_fake_metal(fake_driver, capsys):
     text = mh.report_text(dev, reports)
     assert "GPU families: Apple5 yes, Apple6 no, Apple7 no, Apple8 no, Apple9 no, Metal3 yes; " \
            "bfloat (Metal 3.1 on a Metal 3 GPU): documented" in text and "macOS 15.5" in text
+    assert "from MTLCopyAllDevices()[0]" in text
     assert mh.failures(reports, require=True) == []
     assert all(r.stats.identical == r.stats.elements for r in reports.values())
 
@@ -321,7 +322,7 @@ def check_driver(text: str, metadata: str, mm_text: str) -> list[str]:
             problems.append(f"Metal.{name}: neither a function nor an enum constant in the metadata")
         elif CONSTANTS.get(name) is not None and int(found[0]) != CONSTANTS[name]:
             problems.append(f"Metal.{name} = {found[0]}, the driver expects {CONSTANTS[name]}")
-    for fn in ("MTLCreateSystemDefaultDevice",):
+    for fn in ("MTLCreateSystemDefaultDevice", "MTLCopyAllDevices"):
         if fn in metal_names and functions[fn][0] != b"@":
             problems.append(f"{fn}: returns {functions[fn][0]!r}, not an object")
     for attr, call, parent in calls:
