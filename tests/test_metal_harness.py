@@ -373,6 +373,8 @@ def _metal_metadata() -> str:
     try:
         wheel = aa.download_wheel(aa.PYOBJC["Metal"])
     except aa.Unavailable as exc:
+        if require_metal():
+            pytest.fail(f"{exc} ({mh.REQUIRE_ENV}=1)")
         cannot_run(str(exc))
     return aa.extract(wheel, "Metal/_metadata.py").read_text()
 
@@ -392,3 +394,17 @@ def test_pyobjc_calls_match_metadata():
                      ("Metal.MTLSize(group, 1, 1)", "(group, 1, 1)")):
         assert old in text, old
         assert check_driver(text.replace(old, new), metadata, mm), f"not caught: {new}"
+
+
+def test_the_driver_is_the_only_pyobjc_code():
+    """The Apple-only surface of the harness is tests/metal_pyobjc.py alone, and stays small."""
+    importers = []
+    for path in [*TESTS.rglob("*.py"), *(REPO / "python").rglob("*.py"), *(REPO / "ci").rglob("*.py")]:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        if names & {"Metal", "Foundation", "objc", "AppKit", "Quartz"}:
+            importers.append(path.relative_to(REPO).as_posix())
+    assert importers == ["tests/metal_pyobjc.py"]
+    code = [l for l in DRIVER.read_text().splitlines() if l.strip() and not l.strip().startswith("#")]
+    assert len(code) < 150, len(code)
