@@ -241,15 +241,27 @@ def metal_device():
     return metal_pyobjc.MetalDevice(str(lib))
 
 
-def test_every_kernel_on_this_metal_device(capsys):
+@pytest.fixture(scope="module")
+def device_reports():
+    """Every case on this machine's Metal device, run once: (device, per-kernel reports)."""
     dev = metal_device()
-    reports = mh.run_all(dev)
+    return dev, mh.run_all(dev)
+
+
+def test_this_metal_device_report(device_reports, capsys):
+    """The device's name and GPU families first, then one line per kernel (the job's log)."""
+    dev, reports = device_reports
     with capsys.disabled():
         print("\n" + mh.report_text(dev, reports))
-    assert mh.failures(reports) == []
-    skipped = [r.line() for r in reports.values() if r.skipped]
-    if skipped:
-        skip_or_fail("; ".join(skipped), documented=all(r.documented_skip for r in reports.values() if r.skipped))
+    assert set(reports) == set(KERNELS.values())
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS.values()))
+def test_kernel_on_this_metal_device(device_reports, kernel):
+    rep = device_reports[1][kernel]
+    if rep.skipped is not None:
+        skip_or_fail(f"{kernel}: {rep.skipped}", documented=rep.documented_skip)
+    assert rep.ok, rep.line()
 
 
 def test_the_mm_on_this_metal_device(capsys):
