@@ -28,7 +28,7 @@ torch wheel (``check_torch_wheel``)
     names ``src/metal/metal_adam.mm`` passes to ``dlsym`` (Mach-O adds one leading underscore);
   - that dylib's install name ends with the image-name suffix the ``.mm`` searches for;
   - ``torch/mps/__init__.py`` has ``compile_shader(source)`` (and ``load_metallib(source)``,
-    accepting a path, where the release has it) as ``mps_backends.py`` calls them;
+    accepting a path, where the release has it) as ``backends/mps.py`` calls them;
   - ``at::mps::MPSHooks::getCommandBuffer`` calls ``MPSStream::endKernelCoalescing`` before
     ``commandBuffer`` exactly in the releases that ``mps_backends.TIER1_MIN_TORCH`` admits to tier 1;
   - the three hooks behind ``torch::mps`` (``getCommandBuffer``, ``getDispatchQueue``,
@@ -186,7 +186,7 @@ def mm_image_suffix(mm_text: str) -> str:
 def tier1_min_torch(backends_text: str) -> tuple[int, int]:
     m = re.search(r"^TIER1_MIN_TORCH\s*=\s*\((\d+),\s*(\d+)\)", backends_text, re.M)
     if not m:
-        raise ValueError("mps_backends.py: no TIER1_MIN_TORCH = (major, minor)")
+        raise ValueError("backends/mps.py: no TIER1_MIN_TORCH = (major, minor)")
     return int(m.group(1)), int(m.group(2))
 
 
@@ -216,7 +216,7 @@ def _function_args(tree: ast.Module, name: str) -> list[str] | None:
 
 
 def check_mps_api(init_text: str, need_load_metallib: bool) -> tuple[list[str], dict[str, bool]]:
-    """torch/mps/__init__.py against mps_backends.py's calls: compile_shader(source_text) and
+    """torch/mps/__init__.py against backends/mps.py's calls: compile_shader(source_text) and
     load_metallib(path). Returns (problems, which of the two exist)."""
     tree = ast.parse(init_text)
     problems, have = [], {}
@@ -227,12 +227,12 @@ def check_mps_api(init_text: str, need_load_metallib: bool) -> tuple[list[str], 
             if fn == "compile_shader" or need_load_metallib:
                 problems.append(f"torch/mps/__init__.py has no {fn}()")
         elif args != ["source"]:
-            problems.append(f"torch.mps.{fn} takes {args}, mps_backends.py passes one positional argument")
+            problems.append(f"torch.mps.{fn} takes {args}, backends/mps.py passes one positional argument")
     if have["load_metallib"]:
         body = ast.get_source_segment(init_text, next(n for n in tree.body if isinstance(n, ast.FunctionDef)
                                                       and n.name == "load_metallib")) or ""
         if "os.PathLike" not in body:
-            problems.append("torch.mps.load_metallib does not accept an os.PathLike (mps_backends.py passes a Path)")
+            problems.append("torch.mps.load_metallib does not accept an os.PathLike (backends/mps.py passes a Path)")
     return problems, have
 
 

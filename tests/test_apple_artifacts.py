@@ -184,11 +184,11 @@ def test_torch_mps_python_api_is_what_tiers_2_and_3_call(torch_wheel):
     assert aa.check_mps_api(renamed, need)[0] == ["torch/mps/__init__.py has no compile_shader()"]
     extra = text.replace("def compile_shader(source: str)", "def compile_shader(source: str, options)")
     assert aa.check_mps_api(extra, need)[0] == [
-        "torch.mps.compile_shader takes ['source', 'options'], mps_backends.py passes one positional argument"]
+        "torch.mps.compile_shader takes ['source', 'options'], backends/mps.py passes one positional argument"]
     if have["load_metallib"]:
         no_paths = text.replace("os.PathLike", "bytes")
         assert aa.check_mps_api(no_paths, need)[0] == [
-            "torch.mps.load_metallib does not accept an os.PathLike (mps_backends.py passes a Path)"]
+            "torch.mps.load_metallib does not accept an os.PathLike (backends/mps.py passes a Path)"]
         gone = text.replace("def load_metallib(", "def _load_metallib(")
         assert aa.check_mps_api(gone, need_load_metallib=True)[0] == ["torch/mps/__init__.py has no load_metallib()"]
 

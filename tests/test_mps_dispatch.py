@@ -1,4 +1,4 @@
-"""The Python dispatch of MPS tiers 1-3 (mps_backends.py), end to end on CPU tensors.
+"""The Python dispatch of MPS tiers 1-3 (backends/mps.py), end to end on CPU tensors.
 
 The stand-ins of tests/emulated_mps.py take the place of the ``_metal`` extension and of torch's
 ShaderLibrary and run the shipped kernel source through the host emulator, so argument packing,

@@ -5,7 +5,7 @@
 // [params, grads, state lists...], each tensor a (MTLBuffer handle, byte offset, numel) triple;
 // list k binds to buffer k, then the scalar blob (the rule's struct), base and n. Stream: torch's
 // default up to 2.14, the caller's current from 2.15 (HOOKS_CURRENT_STREAM_MIN_TORCH). Caller:
-// mps_backends.py; stand-in: tests/emulated_mps.py. Untested on Apple hardware (checks:
+// backends/mps.py; stand-in: tests/emulated_mps.py. Untested on Apple hardware (checks:
 // tests/test_apple_artifacts.py).
 #import <Foundation/Foundation.h>
 #import <Metal/Metal.h>
@@ -39,7 +39,7 @@ struct TorchMps {
 TorchMps g_torch;
 
 constexpr uint64_t kElemsPerThread = 4;
-constexpr uint64_t kMaxThreadsPerDispatch = uint64_t(1) << 30;  // see mps_backends.py
+constexpr uint64_t kMaxThreadsPerDispatch = uint64_t(1) << 30;  // see backends/mps.py
 constexpr NSUInteger kGroupSize = 256;
 constexpr size_t kMaxLists = 8;        // param, grad and up to 6 states
 constexpr size_t kMaxScalarBytes = 4096;  // setBytes' limit
