@@ -218,6 +218,16 @@ def test_the_command_ends_with_its_summary_line(monkeypatch, capsys):
     assert capsys.readouterr().out.rstrip().splitlines()[-1] == "summary: 2/2 checks passed (_cpu (test) 2/2)"
 
 
+def test_the_short_benchmark_says_why_its_floor_ratios_differ_from_the_docs(monkeypatch, capsys):
+    from mps_fused_adam import __main__ as cli
+    from mps_fused_adam.tools import bench
+    monkeypatch.setattr(bench, "QUICK", dict(flat=4096, many=(4, 1024), repeats=3, foreach=False))
+    cli.benchmark(echo=True)
+    out = capsys.readouterr().out
+    assert (bench.QUICK_SIZE_NOTE in out) == bench.floor_available()
+    assert "64M elements" in bench.QUICK_SIZE_NOTE and "caches" in bench.QUICK_SIZE_NOTE
+
+
 def test_a_closed_pipe_ends_the_command_quietly_with_exit_0():
     """``python -m mps_fused_adam | head -1`` used to end in a BrokenPipeError traceback and exit 1."""
     proc = subprocess.Popen([sys.executable, "-m", "mps_fused_adam", "--no-bench"], stdout=subprocess.PIPE,

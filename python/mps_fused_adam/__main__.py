@@ -111,6 +111,8 @@ def benchmark(echo: bool, notes: Optional[list[str]] = None) -> list[dict[str, A
     if echo:
         print("Short benchmark (python -m mps_fused_adam.bench for the full one):")
         print(bench.spread_note(bench.QUICK["repeats"]))
+        if bench.floor_available():
+            print(bench.QUICK_SIZE_NOTE)
     if bench.QUICK["repeats"] < 4:
         notes.append(bench.spread_note(bench.QUICK["repeats"]))
     if not bench.floor_available():

@@ -243,6 +243,14 @@ def _plot(rows: list[Row], path: str) -> None:
 # runs on an idle machine; on a busy one noise_note says the ratios are not to be trusted.
 QUICK = dict(flat=4 * 2**20, many=(64, 65536), repeats=21, foreach=False)
 FULL = dict(flat=64 * 2**20, many=(1000, 65536), repeats=7, foreach=True)
+# Why the short run's "speed vs floor" reads lower than the docs' tables: measured on a 16-core
+# Xeon (AVX-512), bf16/bf16 at 2 threads, ours of the floor was 0.40 (flat 4M) and 0.44
+# (64 x 64K) against 0.95 (flat 64M) and 0.86 (1000 x 64K); its speed against torch fused was
+# 1.2x to 2.3x at every size. The floor does trivial math, so it gains the most from the caches.
+QUICK_SIZE_NOTE = ("sizes: 4M elements flat and 64 x 64K, small enough to take seconds and to sit largely in "
+                   "this CPU's caches, where the memory floor runs faster than from DRAM: 'speed vs floor' reads "
+                   "lower here than in the docs' tables (64M elements; on a 16-core Xeon, bf16: 0.40 at 4M, "
+                   "0.95 at 64M). python -m mps_fused_adam.bench runs the tables' sizes")
 SPREAD_NOTE = ("speed vs torch fused: the median of the ratios taken round by round; in brackets the middle "
                "half of those ratios (how much one round moves on this machine); above 1 is faster than torch")
 
