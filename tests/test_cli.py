@@ -3,6 +3,7 @@ skip parts of the report, the JSON report, exit statuses; and ``bench --plot`` w
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -71,7 +72,8 @@ def test_check_only_json():
     run = _run("--check", "--json")
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)  # nothing but the JSON object on stdout
-    assert set(report) == {"self_check", "passed"} and report["passed"] is True
+    assert set(report) == {"self_check", "passed", "summary"} and report["passed"] is True
+    assert report["summary"]["checks_passed"] == report["summary"]["checks"] == len(report["self_check"])
     from mps_fused_adam.numerics.contract import RULES
     from mps_fused_adam.tools.selfcheck import AGREEMENT_BOUND, AGREEMENT_LABEL, PAIRS
     cpu_paths = [r for r in report["self_check"] if r["backend"].startswith("_cpu (")]
@@ -138,12 +140,103 @@ def test_ratio_spread_against_hand_computed_quartiles():
     assert (q1, q3) == pytest.approx((0.65, 1.625))  # statistics.quantiles' default (exclusive) method
 
 
-def test_noise_note():
+def _rounds_with_spread(half_iqr: float, rounds: int = 21, seed: int = 0) -> tuple[list[float], list[float]]:
+    """Synthetic timings of torch fused and ours whose round-by-round ratio is 1.3 times a
+    lognormal noise with the given half interquartile range (relative)."""
+    import random
+    rng = random.Random(seed)
+    sigma = math.log1p(half_iqr) / 0.6745  # the quartiles of a normal sit at +-0.6745 sigma
+    ours = [1.0] * rounds
+    torch_times = [1.3 * math.exp(rng.gauss(0.0, sigma)) for _ in range(rounds)]
+    return torch_times, ours
+
+
+@pytest.mark.parametrize("half_iqr, fires", [(0.02, False), (0.08, False), (0.12, False), (0.15, False),  # idle
+                                             (0.35, True), (0.6, True)])                                 # loaded
+def test_noise_note_is_silent_on_idle_spreads_and_fires_on_loaded_ones(half_iqr, fires):
     from mps_fused_adam.tools.bench import Row, noise_note
-    calm = Row("flat", "fp32", 2, "ours", 1.0, 1.0, 1.0, 1.0, (0.98, 1.03))
-    busy = Row("flat", "fp32", 2, "ours", 1.0, 1.0, 1.0, 1.0, (0.80, 1.20))
-    assert noise_note([calm]) is None
-    assert "+-20%" in noise_note([calm, busy])
+    from mps_fused_adam.tools.timing import ratio_spread
+    rows = []
+    for seed in range(3):  # three cases, as in a run
+        torch_times, ours = _rounds_with_spread(half_iqr, seed=seed)
+        med, q1, q3 = ratio_spread(torch_times, ours)
+        rows.append(Row("flat", "fp32", 2, "ours", 1.0, 1.0, 1.0, med, (q1, q3)))
+    note = noise_note(rows, 21)
+    assert (note is not None) == fires, (half_iqr, note)
+    if fires:
+        assert "uncertain by up to +-" in note and "busy" in note
+
+
+def test_noise_note_judges_the_median_by_the_number_of_rounds():
+    from mps_fused_adam.tools.bench import Row, median_uncertainty, noise_note
+    row = Row("flat", "fp32", 2, "ours", 1.0, 1.0, 1.0, 1.0, (0.80, 1.20))  # rounds move +-20%
+    # sigma = 0.4 / 1.349; standard error of the median = 1.2533 sigma / sqrt(n)
+    assert median_uncertainty(row, 21) == pytest.approx(1.2533 * 0.4 / 1.349 / math.sqrt(21))
+    assert noise_note([row], 400) is None          # many rounds pin the median down
+    assert "+-8%" in noise_note([row], 21)           # over the 7.5% (one standard error) it allows
+    assert "+-12%" in noise_note([row], 10)
+    calmer = Row("flat", "fp32", 2, "ours", 1.0, 1.0, 1.0, 1.0, (0.85, 1.15))
+    assert noise_note([calmer], 21) is None
+    floor = Row("flat", "fp32", 2, "floor", 1.0, 1.0, 1.0, None, None)
+    assert noise_note([floor], 21) is None          # only ours' rows are judged
+
+
+def test_floor_rows_have_no_speed_against_torch(monkeypatch):
+    from mps_fused_adam.tools import bench
+    rows = bench.cpu_section(flat=4096, many=(4, 1024), thread_counts=[1], repeats=3, deepspeed=False,
+                             foreach=False, echo=False)
+    floors = [r for r in rows if r.contender == "floor"]
+    if not bench.floor_available():
+        pytest.skip("no compiled _cpu kernel: no floor rows")
+    assert floors and all(r.vs_torch_fused is None and r.vs_torch_fused_spread is None for r in floors)
+    assert all(r.vs_torch_fused is not None for r in rows if r.contender == "ours" and r.dtypes != "bf16/fp32-states")
+
+
+def test_summary_line_counts_checks_per_backend_and_gives_the_headline_ratio():
+    from mps_fused_adam.__main__ import summary
+    report = {"self_check": [{"backend": "_cpu (avx2)", "passed": True}, {"backend": "_cpu (avx2)", "passed": False},
+                             {"backend": "foreach", "passed": True}],
+              "torch_agreement": {"passed": True},
+              "benchmark": [{"contender": "ours", "vs_torch_fused": 1.5}, {"contender": "ours", "vs_torch_fused": 1.1},
+                            {"contender": "ours", "vs_torch_fused": 2.0}, {"contender": "ours", "vs_torch_fused": None},
+                            {"contender": "floor", "vs_torch_fused": None},
+                            {"contender": "torch fused", "vs_torch_fused": 1.0}]}
+    s = summary(report)
+    assert s["checks_passed"] == 3 and s["checks"] == 4
+    assert s["per_backend"] == {"_cpu (avx2)": {"passed": 1, "checks": 2}, "foreach": {"passed": 1, "checks": 1}}
+    assert s["vs_torch_fused"] == {"median": 1.5, "min": 1.1, "max": 2.0, "cases": 3}
+    assert s["line"] == ("summary: 3/4 checks passed (_cpu (avx2) 1/2, foreach 1/1, reference vs torch.optim.AdamW ok); "
+                         "speed vs torch fused 1.50x (median of 3 cases, 1.10x to 2.00x)")
+
+
+def test_the_command_ends_with_its_summary_line(monkeypatch, capsys):
+    from mps_fused_adam import __main__ as cli
+    from mps_fused_adam.tools import selfcheck
+    ok = selfcheck.CheckResult("_cpu (test)", "cpu", "float32/float32", 0.0, True)
+    monkeypatch.setattr(selfcheck, "all_checks", lambda: iter([ok, ok]))
+    assert cli.main(["--check"]) == 0
+    assert capsys.readouterr().out.rstrip().splitlines()[-1] == "summary: 2/2 checks passed (_cpu (test) 2/2)"
+
+
+def test_the_short_benchmark_says_why_its_floor_ratios_differ_from_the_docs(monkeypatch, capsys):
+    from mps_fused_adam import __main__ as cli
+    from mps_fused_adam.tools import bench
+    monkeypatch.setattr(bench, "QUICK", dict(flat=4096, many=(4, 1024), repeats=3, foreach=False))
+    cli.benchmark(echo=True)
+    out = capsys.readouterr().out
+    assert (bench.QUICK_SIZE_NOTE in out) == bench.floor_available()
+    assert "64M elements" in bench.QUICK_SIZE_NOTE and "caches" in bench.QUICK_SIZE_NOTE
+
+
+def test_a_closed_pipe_ends_the_command_quietly_with_exit_0():
+    """``python -m mps_fused_adam | head -1`` used to end in a BrokenPipeError traceback and exit 1."""
+    proc = subprocess.Popen([sys.executable, "-m", "mps_fused_adam", "--no-bench"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    first = proc.stdout.readline()
+    proc.stdout.close()  # the reader goes away, as head does after its lines
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 0, err
+    assert first.startswith(b"mps_fused_adam ") and "Traceback" not in err and "BrokenPipe" not in err, err
 
 
 def test_bench_plot_without_matplotlib_fails_before_running(monkeypatch):
@@ -386,7 +479,7 @@ def test_a_backend_that_drops_all_but_the_first_tensor_of_a_call_fails(monkeypat
 ])
 def test_bench_rejects_thread_counts_and_rounds_below_one(module, argv, message, monkeypatch, capsys):
     import importlib
-    bench = importlib.import_module(f"mps_fused_adam.{module}")
+    bench = importlib.import_module(f"mps_fused_adam.tools.{module}")
 
     def must_not_run(*a, **k):
         raise AssertionError("the benchmark ran")
@@ -399,7 +492,7 @@ def test_bench_rejects_thread_counts_and_rounds_below_one(module, argv, message,
 @pytest.mark.parametrize("module", ["bench", "bench_rules"])
 def test_bench_repeats_reach_the_run(module, monkeypatch):
     import importlib
-    bench = importlib.import_module(f"mps_fused_adam.{module}")
+    bench = importlib.import_module(f"mps_fused_adam.tools.{module}")
     seen = {}
 
     class Stop(Exception):
@@ -437,29 +530,29 @@ def test_bench_rejects_options_the_chosen_section_would_ignore(argv, message, mo
 
 
 @pytest.mark.parametrize("module, section, argv, expected", [
-    ("bench_overhead", "overhead_section", [], {}),
-    ("bench_overhead", "overhead_section", ["--quick"], {"repeats": 30}),
-    ("bench_overhead", "overhead_section", ["--repeats", "5"], {"repeats": 5}),
-    ("bench_mps", "mps_benchmark_section", [], {}),
-    ("bench_mps", "mps_benchmark_section", ["--quick", "--repeats", "2"], {"numel": 8 * 2**20, "repeats": 2}),
+    ("bench_overhead", "overhead_section", ["--overhead"], {}),
+    ("bench_overhead", "overhead_section", ["--overhead", "--quick"], {"repeats": 30}),
+    ("bench_overhead", "overhead_section", ["--overhead", "--repeats", "5"], {"repeats": 5}),
+    ("bench_mps", "mps_benchmark_section", ["--mps-only"], {}),
+    ("bench_mps", "mps_benchmark_section", ["--mps-only", "--quick", "--repeats", "2"],
+     {"numel": 8 * 2**20, "repeats": 2}),
 ])
-def test_python_m_bench_mps_and_bench_overhead_run_their_section(module, section, argv, expected, monkeypatch):
-    """``python -m mps_fused_adam.tools.bench_mps`` and ``.bench_overhead`` used to print nothing and
-    exit 0; they run their section of the benchmark now, with --repeats honoured."""
+def test_python_m_bench_runs_the_mps_and_overhead_sections(module, section, argv, expected, monkeypatch):
+    """``python -m mps_fused_adam.bench --mps-only`` and ``--overhead`` run their section alone,
+    with --repeats and --quick honoured."""
     import importlib
     import runpy
-    mod = importlib.import_module(f"mps_fused_adam.{module}")
+    mod = importlib.import_module(f"mps_fused_adam.tools.{module}")
     seen = []
     monkeypatch.setattr(mod, section, lambda **kwargs: seen.append(kwargs) or [])
-    monkeypatch.setattr(sys, "argv", [module, *argv])
-    with pytest.warns(RuntimeWarning, match="found in sys.modules"):  # runpy: it is imported already
-        with pytest.raises(SystemExit) as exit_:
-            runpy.run_module(f"mps_fused_adam.{module}", run_name="__main__")
+    monkeypatch.setattr(sys, "argv", ["bench", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module("mps_fused_adam.bench", run_name="__main__")
     assert exit_.value.code == 0 and seen == [expected]
 
 
 def test_python_m_bench_mps_says_there_is_no_mps_device():
-    run = subprocess.run([sys.executable, "-m", "mps_fused_adam.tools.bench_mps"], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-m", "mps_fused_adam.bench", "--mps-only"], capture_output=True, text=True,
                          timeout=120)
     import torch
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
@@ -528,7 +621,7 @@ def test_json_carries_the_benchmark_notes_and_warnings(monkeypatch, capsys):
     from mps_fused_adam import backends
     from mps_fused_adam.tools import bench
     monkeypatch.setattr(bench, "QUICK", dict(flat=4096, many=(4, 1024), repeats=3, foreach=False))
-    monkeypatch.setattr(bench, "noise_note", lambda rows: "note: ratios moved by up to +-40%")
+    monkeypatch.setattr(bench, "noise_note", lambda rows, rounds: "note: ratios moved by up to +-40%")
     monkeypatch.setenv("MPS_FUSED_ADAM_SIMD", "neon" if "neon" not in backends.get_backend("cpu")._cpu.simd_paths()
                        else "avx2")
     monkeypatch.delitem(backends._chosen, "cpu")  # chosen again, in the command: the warning comes then

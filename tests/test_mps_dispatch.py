@@ -1,4 +1,4 @@
-"""The Python dispatch of MPS tiers 1-3 (mps_backends.py), end to end on CPU tensors.
+"""The Python dispatch of MPS tiers 1-3 (backends/mps.py), end to end on CPU tensors.
 
 The stand-ins of tests/emulated_mps.py take the place of the ``_metal`` extension and of torch's
 ShaderLibrary and run the shipped kernel source through the host emulator, so argument packing,
@@ -203,6 +203,13 @@ def test_fallback_when_metallib_missing(emu, pkg):
                                       package_dir=pkg, probe_device="cpu"))
     assert backend.name == "compile_shader"
     assert len(msgs) == 2 and all("metallib missing" in m for m in msgs)
+    # What a source build on a Mac without the Metal toolchain gets (cmake/apple_metal.cmake builds
+    # _metal but no metallib): each refusal, as backend_info()'s "unavailable" lists it, names the
+    # cause and the fix.
+    for m in msgs:
+        assert f"{pkg / METALLIB_NAME} (a source build without the Metal toolchain has none" in m
+        assert "tier 3 compiles the bundled .metal source instead" in m
+        assert "xcodebuild -downloadComponent MetalToolchain" in m
 
 
 def test_fallback_to_foreach(emu, pkg):

@@ -43,6 +43,14 @@ THREADGROUP_SIZE = 256
 # (and 2.13.0), not in 2.8.0. tests/test_apple_artifacts.py re-checks this against the wheels.
 TIER1_MIN_TORCH = (2, 9)
 
+# The MPS stream torch::mps::get_command_buffer(), get_dispatch_queue() and commit() use, and so
+# the stream tier 1 encodes on: from this release on the calling thread's current stream
+# (at::mps::getCurrentMPSStream: torch.mps.stream()/set_stream, else the default stream), before it
+# always the default stream (at::mps::getDefaultMPSStream). Read from the macOS arm64 wheels'
+# libtorch_cpu.dylib (MPSHooks::getCommandBuffer, getDispatchQueue, commitStream; 2.14.1: default,
+# 2.15.0: current); tests/test_apple_artifacts.py re-checks every release from TIER1_MIN_TORCH on.
+HOOKS_CURRENT_STREAM_MIN_TORCH = (2, 15)
+
 METALLIB_NAME = "fused_adam.metallib"
 METAL_SOURCE_NAME = "fused_adam.metal"
 
@@ -163,6 +171,17 @@ def find_metal_source(package_dir: Path) -> Path:
     raise FileNotFoundError(f"no {METAL_SOURCE_NAME} in {' or '.join(str(c.parent) for c in candidates)}")
 
 
+def missing_metallib(path: Path) -> FileNotFoundError:
+    """The error tiers 1 and 2 raise without the bundled metallib, saying the usual cause: a
+    source build on a Mac whose Metal compiler does not run (cmake/apple_metal.cmake warns and
+    builds without it), after which tier 3 compiles the bundled source instead."""
+    return FileNotFoundError(
+        f"bundled metallib missing: {path} (a source build without the Metal toolchain has none: "
+        "its build warned; tier 3 compiles the bundled .metal source instead. For the prebuilt "
+        "kernels install Xcode's Metal toolchain, e.g. xcodebuild -downloadComponent MetalToolchain, "
+        "and reinstall)")
+
+
 class MetalExtBackend:
     """Tier 1: the ``_metal`` extension; one call per group, one encoder, no host sync."""
 
@@ -170,7 +189,7 @@ class MetalExtBackend:
 
     def __init__(self, ext: Any, metallib: Path, buffer_of: Callable = mps_buffer) -> None:
         if not metallib.is_file():
-            raise FileNotFoundError(f"bundled metallib missing: {metallib}")
+            raise missing_metallib(metallib)
         # Raises with Metal's own error text if the library is unusable, or if the loaded
         # libtorch lacks the torch::mps functions.
         ext.load(str(metallib), sorted(KERNELS.values()))
@@ -282,7 +301,7 @@ def mps_tiers(*, load_ext: Callable[[], Any] | None = None, mps_api: Any = None,
             raise RuntimeError(f"torch {torch.__version__} has no torch.mps.load_metallib")
         path = pkg / METALLIB_NAME
         if not path.is_file():
-            raise FileNotFoundError(f"bundled metallib missing: {path}")
+            raise missing_metallib(path)
         return ShaderLibraryBackend("load_metallib", load(path))
 
     def tier3() -> ShaderLibraryBackend:

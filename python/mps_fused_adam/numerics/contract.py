@@ -45,7 +45,7 @@ How to add an update rule (Lion, Adagrad, ...): a local change, one entry in eac
    3.1, follows; host names ``fused_<rule>_<P>_<S>``). The ``.mm`` and the tests' emulator take
    kernel names and buffers, nothing rule-specific.
 5. ``backends.ForeachBackend.RULES``: the rule's foreach form.
-6. ``optim.py``: the public class (``_rule``, ``_state_dict_kind``, the constructor,
+6. ``optimizers/fused.py``: the public class (``_rule``, ``_state_dict_kind``, the constructor,
    ``_check_group``, ``_hyper``, ``_new_state`` when a state does not start at 0), its
    ``validate.check_<rule>_hyperparameters``, and its name in ``__init__._PUBLIC``.
 7. Tests: an entry in ``tests/test_rules_contract.COUNTERPARTS`` naming the independent
