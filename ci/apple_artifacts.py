@@ -30,10 +30,10 @@ torch wheel (``check_torch_wheel``)
   - ``torch/mps/__init__.py`` has ``compile_shader(source)`` (and ``load_metallib(source)``,
     accepting a path, where the release has it) as ``backends/mps.py`` calls them;
   - ``at::mps::MPSHooks::getCommandBuffer`` calls ``MPSStream::endKernelCoalescing`` before
-    ``commandBuffer`` exactly in the releases that ``mps_backends.TIER1_MIN_TORCH`` admits to tier 1;
+    ``commandBuffer`` exactly in the releases that ``backends.mps.TIER1_MIN_TORCH`` admits to tier 1;
   - the three hooks behind ``torch::mps`` (``getCommandBuffer``, ``getDispatchQueue``,
     ``commitStream``) take their stream from ``at::mps::getCurrentMPSStream`` exactly in the
-    releases from ``mps_backends.HOOKS_CURRENT_STREAM_MIN_TORCH`` on, and from
+    releases from ``backends.mps.HOOKS_CURRENT_STREAM_MIN_TORCH`` on, and from
     ``getDefaultMPSStream`` before; which of them call ``dispatch_assert_queue`` (must be called on
     the stream's queue) is reported (``hook_facts``).
 
@@ -310,7 +310,7 @@ def hook_facts(disasm: str, stubs: dict[str, str]) -> dict[str, dict[str, object
 
 
 def check_streams(version: str, facts: dict[str, dict[str, object]], current_from: tuple[int, int]) -> list[str]:
-    """Each hook must take the stream ``mps_backends.HOOKS_CURRENT_STREAM_MIN_TORCH`` says for
+    """Each hook must take the stream ``backends.mps.HOOKS_CURRENT_STREAM_MIN_TORCH`` says for
     ``version``: the current stream from that release on, the default stream before it."""
     want = "current" if tuple(map(int, version.split(".")[:2])) >= current_from else "default"
     gate = ".".join(map(str, current_from))
@@ -322,7 +322,7 @@ def check_streams(version: str, facts: dict[str, dict[str, object]], current_fro
 def hooks_current_stream_min_torch(backends_text: str) -> tuple[int, int]:
     m = re.search(r"^HOOKS_CURRENT_STREAM_MIN_TORCH\s*=\s*\((\d+),\s*(\d+)\)", backends_text, re.M)
     if not m:
-        raise ValueError("mps_backends.py: no HOOKS_CURRENT_STREAM_MIN_TORCH = (major, minor)")
+        raise ValueError("backends/mps.py: no HOOKS_CURRENT_STREAM_MIN_TORCH = (major, minor)")
     return int(m.group(1)), int(m.group(2))
 
 
