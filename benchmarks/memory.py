@@ -261,6 +261,39 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+MODEL_SIZES = (1e9, 3e9, 7e9, 13e9)
+MEMORY_GB = (16, 24, 32, 36, 48, 64, 96, 128, 192)  # unified memory sizes of Apple Silicon Macs
+USABLE = 0.7  # the share of unified memory the "what fits" table lets the step take (an assumption)
+
+
+def read_results(path: str) -> list[tuple[str, float]]:
+    """``(configuration, bytes per param)`` of each measured row of a report this script wrote."""
+    rows = []
+    with open(path) as f:
+        for line in f:
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) == 5 and cells[0] in CONFIGS:
+                try:
+                    rows.append((cells[0], float(cells[2])))
+                except ValueError:
+                    pass  # a configuration that did not run
+    return rows
+
+
+def fits_tables(rows: list[tuple[str, float]]) -> str:
+    """The docs' tables from measured bytes per param: GiB a step needs for each model size
+    (activations excluded), and the smallest unified memory where that is at most ``USABLE`` of it."""
+    sizes = " | ".join(f"{n / 1e9:.0f}B" for n in MODEL_SIZES)
+    need = [f"| configuration | bytes per param | {sizes} |", "| --- | --- |" + " --- |" * len(MODEL_SIZES)]
+    fits = [f"| configuration | {sizes} |", "| --- |" + " --- |" * len(MODEL_SIZES)]
+    for config, bpp in rows:
+        gib = [bpp * n / 2 ** 30 for n in MODEL_SIZES]
+        need.append(f"| {CONFIGS[config]} | {bpp:.2f} | " + " | ".join(f"{g:.1f} GiB" for g in gib) + " |")
+        smallest = [next((f"{m} GB" for m in MEMORY_GB if g <= USABLE * m), f"> {MEMORY_GB[-1]} GB") for g in gib]
+        fits.append(f"| {CONFIGS[config]} | " + " | ".join(smallest) + " |")
+    return "\n".join(need) + "\n\n" + "\n".join(fits) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
@@ -270,8 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--device", default="cpu", choices=["cpu", "mps"])
     ap.add_argument("--out", help="also write the report to this file")
+    ap.add_argument("--tables", metavar="REPORT", help="print the docs' memory tables from a report and exit")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.tables:
+        print(fits_tables(read_results(args.tables)), end="")
+        return 0
     if args.child:
         print(json.dumps(child(args.child, args.layers, args.width, args.batch, args.steps, args.device)))
         return 0
