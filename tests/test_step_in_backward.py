@@ -432,3 +432,19 @@ def test_single_param_steps_through_metal_tiers(metal_backend, emu, cls, kw):
         assert calls == 2 * n  # one _metal call per param per step, each of one tensor
     else:
         assert dispatches == 2 * n  # tiers 2-3: one dispatch per tensor (all under 2^32 elements)
+
+
+def test_docs_memory_tables_are_the_checked_in_measurements():
+    """docs/memory.md's tables are what benchmarks/memory.py --tables makes of the measured report."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import memory
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    rows = memory.read_results(str(REPO / "benchmarks" / "results" / "memory_epyc_2core.txt"))
+    assert {c for c, _ in rows} == set(memory.CONFIGS)  # every configuration ran and was measured
+    doc = (REPO / "docs" / "memory.md").read_text()
+    for table in memory.fits_tables(rows).split("\n\n"):
+        assert table.strip() in doc
+    for config, bpp in rows:  # and the first table's figures
+        assert f"| {bpp:.2f} |" in doc, config
