@@ -72,7 +72,8 @@ def load_state_dict_with_hooks(opt: torch.optim.Optimizer, state_dict: dict[str,
 class _FusedOptimizer(torch.optim.Optimizer):
     """Shared machinery for every rule. A subclass sets ``_rule`` and implements ``_check_group``
     and ``_hyper`` (and ``_new_state`` when a state does not start at 0); the state names are the
-    rule's (``contract.RULES``)."""
+    rule's (``contract.RULES``). Every public class takes ``step_in_backward=True``: each param is
+    then stepped from its post-accumulate-grad hook by ``_step_one`` (in_backward.py)."""
 
     # The update rule (contract.RULES) every step of this class runs.
     _rule = "adam"

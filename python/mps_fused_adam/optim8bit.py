@@ -67,7 +67,8 @@ def _check_group_options(group: dict[str, Any], where: str) -> None:
 
 class _Adam8bitBase(torch.optim.Optimizer):
     """Shared step of the 8-bit optimizers. Group keys: lr, betas, eps, weight_decay, adam_w_mode,
-    bias_correction, maximize, min_8bit_size, bf16_stochastic_round."""
+    bias_correction, maximize, min_8bit_size, bf16_stochastic_round. ``step_in_backward=True``:
+    each param stepped from its post-accumulate-grad hook by ``_step_one`` (in_backward.py)."""
 
     def __init__(self, params: _Params, defaults: dict[str, Any], step_in_backward: bool = False) -> None:
         validate.check_hyperparameters(defaults["lr"], defaults["betas"], defaults["eps"], defaults["weight_decay"])
