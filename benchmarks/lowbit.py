@@ -1,4 +1,4 @@
-"""Low-bit options, measured: ``python benchmarks/lowbit.py [--steps 2000] [--size 16777216] [--out benchmarks/lowbit]``.
+"""Low-bit options, measured: ``python benchmarks/lowbit.py [--steps 2000] [--size 16777216] [--out benchmarks/results/lowbit]``.
 
 1. Training curves (the longer version of tests/test_lowbit_training.py, plus bf16 with Kahan
    compensation in plain torch, for the decision on offering it): fp32 AdamW, AdamW8bit,
@@ -24,11 +24,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import mps_fused_adam as mfa  # noqa: E402
-from mps_fused_adam import lowbit  # noqa: E402
-from mps_fused_adam.bench import share_states  # noqa: E402
-from mps_fused_adam.contract import AdamHyper  # noqa: E402
-from mps_fused_adam.optim8bit import state_bytes_per_param  # noqa: E402
-from mps_fused_adam.timing import interleaved_rounds, ratio_spread  # noqa: E402
+from mps_fused_adam.numerics import lowbit  # noqa: E402
+from mps_fused_adam.tools.bench import share_states  # noqa: E402
+from mps_fused_adam.numerics.contract import AdamHyper  # noqa: E402
+from mps_fused_adam.optimizers.eight_bit import state_bytes_per_param  # noqa: E402
+from mps_fused_adam.tools.timing import interleaved_rounds, ratio_spread  # noqa: E402
 from test_lowbit_training import LR, make_student, make_task  # noqa: E402
 
 
@@ -118,7 +118,7 @@ def _floor8(opt) -> Callable[[], None]:
     trivial math that keeps every value) on the very param, grad and states of ``opt`` (an
     ``AdamW8bit`` after its first step): bench._floor_fn says why not on copies."""
     from mps_fused_adam import _cpu
-    from mps_fused_adam.optim8bit import _PARAM_CODES
+    from mps_fused_adam.optimizers.eight_bit import _PARAM_CODES
     (p,) = opt.param_groups[0]["params"]
     st = opt.state[p]
     keep = (p, st)
@@ -206,7 +206,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
     ap.add_argument("--no-train", action="store_true", help="speed only: no training curves, nothing written")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "lowbit"))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "lowbit"))
     args = ap.parse_args()
     lines = [f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
              f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"]

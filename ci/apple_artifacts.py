@@ -5,10 +5,18 @@
     python ci/apple_artifacts.py --torch 2.9.0 2.10.0 # named releases
     python ci/apple_artifacts.py --since 2.8          # every torch release from 2.8 on
                                                       # (one without a downloadable wheel: "not checked")
+    python ci/apple_artifacts.py --tier1              # every release from TIER1_MIN_TORCH to PyPI's
+                                                      # newest (what CI checks; a missing wheel fails)
 
 Nothing is installed: wheels are fetched with ``pip download`` for macOS arm64 and kept in a
 cache directory (``$MFA_ARTIFACT_CACHE``, else ``~/.cache/mps-fused-adam-artifacts``), and single
-members are unzipped from them once. Binaries are read with LLVM's Mach-O tools from Debian's
+members are unzipped from them once. pip runs with the machine's configuration files left out
+(``PIP_CONFIG_FILE`` set to the null device, ``PIP_CONSTRAINT`` and ``PIP_FIND_LINKS`` cleared) for
+those downloads only: a machine-wide constraint capping torch (this project's Linux machines cap it
+at 2.14.1) must not hide the newest macOS release. What each torch check reads from a wheel is
+kept as a small JSON (``facts/torch-VERSION-KEY.json``, KEY a hash of what is read), after which
+that wheel and its unzipped members are deleted, except torch ``TORCH_CI``'s, which the
+Objective-C check reads in full; a later run reads the JSON and downloads nothing. Binaries are read with LLVM's Mach-O tools from Debian's
 ``llvm-19`` package (``llvm-nm-19``, ``llvm-objdump-19``); the Objective-C stubs are compiled with
 clang for ``arm64-apple-macos14`` to get Apple's type encodings. Prints one line per problem and
 exits 1 if there is any.
@@ -20,9 +28,14 @@ torch wheel (``check_torch_wheel``)
     names ``src/metal/metal_adam.mm`` passes to ``dlsym`` (Mach-O adds one leading underscore);
   - that dylib's install name ends with the image-name suffix the ``.mm`` searches for;
   - ``torch/mps/__init__.py`` has ``compile_shader(source)`` (and ``load_metallib(source)``,
-    accepting a path, where the release has it) as ``mps_backends.py`` calls them;
+    accepting a path, where the release has it) as ``backends/mps.py`` calls them;
   - ``at::mps::MPSHooks::getCommandBuffer`` calls ``MPSStream::endKernelCoalescing`` before
-    ``commandBuffer`` exactly in the releases that ``mps_backends.TIER1_MIN_TORCH`` admits to tier 1.
+    ``commandBuffer`` exactly in the releases that ``backends.mps.TIER1_MIN_TORCH`` admits to tier 1;
+  - the three hooks behind ``torch::mps`` (``getCommandBuffer``, ``getDispatchQueue``,
+    ``commitStream``) take their stream from ``at::mps::getCurrentMPSStream`` exactly in the
+    releases from ``backends.mps.HOOKS_CURRENT_STREAM_MIN_TORCH`` on, and from
+    ``getDefaultMPSStream`` before; which of them call ``dispatch_assert_queue`` (must be called on
+    the stream's queue) is reported (``hook_facts``).
 
 Objective-C API (``check_objc_api``): every selector and C function that the ``.mm`` uses, as
 declared in ``tests/objc_stubs`` (the ``.mm`` is parsed against them with -Werror, so it can use
@@ -49,7 +62,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 MM = REPO / "src" / "metal" / "metal_adam.mm"
 STUBS = REPO / "tests" / "objc_stubs"
-BACKENDS = REPO / "python" / "mps_fused_adam" / "mps_backends.py"
+BACKENDS = REPO / "python" / "mps_fused_adam" / "backends" / "mps.py"
 TENSOR_HANDLES = REPO / "src" / "cpu" / "tensor_handles.cpp"
 LIBTORCH_PYTHON = "torch/lib/libtorch_python.dylib"
 
@@ -62,6 +75,10 @@ PYOBJC = {"Metal": "pyobjc-framework-Metal==12.2.2", "Foundation": "pyobjc-frame
 LIBTORCH = "torch/lib/libtorch_cpu.dylib"
 MPS_INIT = "torch/mps/__init__.py"
 GET_COMMAND_BUFFER = "__ZNK2at3mps8MPSHooks16getCommandBufferEv"
+# The MPSHooks methods behind torch::mps::get_command_buffer(), get_dispatch_queue() and commit().
+HOOKS = {"getCommandBuffer": GET_COMMAND_BUFFER,
+         "getDispatchQueue": "__ZNK2at3mps8MPSHooks16getDispatchQueueEv",
+         "commitStream": "__ZNK2at3mps8MPSHooks12commitStreamEv"}
 
 
 class Unavailable(RuntimeError):
@@ -83,6 +100,17 @@ def find_tool(name: str) -> str:
     raise Unavailable(f"{name}-19 not on PATH (Debian: apt-get install llvm-19)")
 
 
+def uncapped_pip_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for pip's index and download calls: no configuration file (where a
+    machine-wide constraint such as ``torch<=2.14.1`` lives), no constraint or local wheel folder
+    from the environment. Only these calls get it: nothing is installed with it."""
+    env = dict(os.environ if environ is None else environ)
+    env["PIP_CONFIG_FILE"] = os.devnull  # pip reads no configuration file at all then
+    for name in ("PIP_CONSTRAINT", "PIP_FIND_LINKS", "PIP_NO_INDEX"):
+        env.pop(name, None)
+    return env
+
+
 def download_wheel(requirement: str, cache: Path | None = None) -> Path:
     """The macOS arm64 wheel of ``requirement`` (``name==version``), downloaded once into the cache."""
     name, _, version = requirement.partition("==")
@@ -94,7 +122,7 @@ def download_wheel(requirement: str, cache: Path | None = None) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
            "--platform", PLATFORM, "--python-version", PYTHON_VERSION, "-d", str(dest), requirement]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=uncapped_pip_env())
     found = [w for w in dest.glob("*.whl") if w.name.lower().startswith(prefix)]
     if proc.returncode != 0 or not found:
         errors = [l for l in proc.stderr.splitlines() if l.startswith("ERROR")] or proc.stderr.splitlines()[-1:]
@@ -121,9 +149,11 @@ def extract(wheel: Path, member: str) -> Path:
 
 def torch_releases_since(minimum: tuple[int, int]) -> list[str]:
     """Every final torch release from ``minimum`` on that has a macOS arm64 wheel (pip index)."""
+    # Short timeout, one retry: the tests ask at collection time, and a machine without network
+    # should hear "unavailable" in seconds, not after pip's default retries.
     cmd = [sys.executable, "-m", "pip", "index", "versions", "torch", "--only-binary=:all:",
-           "--platform", PLATFORM, "--python-version", PYTHON_VERSION]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+           "--platform", PLATFORM, "--python-version", PYTHON_VERSION, "--timeout", "20", "--retries", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=uncapped_pip_env())
     m = re.search(r"Available versions:\s*(.+)", proc.stdout)
     if proc.returncode != 0 or not m:
         raise Unavailable(f"pip index versions torch failed: {proc.stderr.strip()[-400:]}")
@@ -156,7 +186,7 @@ def mm_image_suffix(mm_text: str) -> str:
 def tier1_min_torch(backends_text: str) -> tuple[int, int]:
     m = re.search(r"^TIER1_MIN_TORCH\s*=\s*\((\d+),\s*(\d+)\)", backends_text, re.M)
     if not m:
-        raise ValueError("mps_backends.py: no TIER1_MIN_TORCH = (major, minor)")
+        raise ValueError("backends/mps.py: no TIER1_MIN_TORCH = (major, minor)")
     return int(m.group(1)), int(m.group(2))
 
 
@@ -186,7 +216,7 @@ def _function_args(tree: ast.Module, name: str) -> list[str] | None:
 
 
 def check_mps_api(init_text: str, need_load_metallib: bool) -> tuple[list[str], dict[str, bool]]:
-    """torch/mps/__init__.py against mps_backends.py's calls: compile_shader(source_text) and
+    """torch/mps/__init__.py against backends/mps.py's calls: compile_shader(source_text) and
     load_metallib(path). Returns (problems, which of the two exist)."""
     tree = ast.parse(init_text)
     problems, have = [], {}
@@ -197,12 +227,12 @@ def check_mps_api(init_text: str, need_load_metallib: bool) -> tuple[list[str], 
             if fn == "compile_shader" or need_load_metallib:
                 problems.append(f"torch/mps/__init__.py has no {fn}()")
         elif args != ["source"]:
-            problems.append(f"torch.mps.{fn} takes {args}, mps_backends.py passes one positional argument")
+            problems.append(f"torch.mps.{fn} takes {args}, backends/mps.py passes one positional argument")
     if have["load_metallib"]:
         body = ast.get_source_segment(init_text, next(n for n in tree.body if isinstance(n, ast.FunctionDef)
                                                       and n.name == "load_metallib")) or ""
         if "os.PathLike" not in body:
-            problems.append("torch.mps.load_metallib does not accept an os.PathLike (mps_backends.py passes a Path)")
+            problems.append("torch.mps.load_metallib does not accept an os.PathLike (backends/mps.py passes a Path)")
     return problems, have
 
 
@@ -229,6 +259,73 @@ def check_gate(version: str, disasm: str, gate: tuple[int, int]) -> list[str]:
     return []
 
 
+def disassembly_by_symbol(disasm: str) -> dict[str, str]:
+    """``llvm-objdump -d`` output split into one body per symbol, by the symbol's Mach-O name."""
+    parts = re.split(r"^[0-9a-f]+ <(\S+)>:\n", disasm, flags=re.M)
+    return {parts[i]: parts[i + 1] for i in range(1, len(parts) - 1, 2)}
+
+
+def stub_targets(indirect: str) -> dict[str, str]:
+    """Hex address -> imported symbol of each ``__TEXT,__stubs`` entry, from ``llvm-objdump
+    --macho --indirect-symbols`` (llvm-objdump's disassembly names a call into a stub after the
+    nearest exported symbol, ``<_zunmqr_+0x...>``, not after what the stub jumps to)."""
+    if "Indirect symbols for (__TEXT,__stubs)" not in indirect:
+        raise ValueError("no __TEXT,__stubs section in the indirect symbol table")
+    section = indirect.split("Indirect symbols for (__TEXT,__stubs)", 1)[1].split("Indirect symbols for", 1)[0]
+    return {a.lstrip("0") or "0": name for a, name in re.findall(r"^0x([0-9a-f]+)\s+\d+\s+(\S+)$", section, re.M)}
+
+
+def call_targets(body: str, stubs: dict[str, str] | None = None) -> list[str]:
+    """The functions one disassembled body calls or tail-calls, in order; a call into a stub is
+    named by the symbol the stub imports."""
+    out = []
+    for addr, name in re.findall(r"\b(?:bl|b)\s+0x([0-9a-f]+)(?:\s+<(\S+)>)?", body):
+        out.append((stubs or {}).get(addr.lstrip("0") or "0") or name or f"0x{addr}")
+    return out
+
+
+def hook_stream(body: str) -> str:
+    """``"current"`` or ``"default"``: which MPS stream an MPSHooks method takes (the first of
+    ``at::mps::getCurrentMPSStream`` / ``getDefaultMPSStream`` it calls)."""
+    for target in call_targets(body):
+        if "getCurrentMPSStream" in target:
+            return "current"
+        if "getDefaultMPSStream" in target:
+            return "default"
+    raise ValueError("calls neither at::mps::getCurrentMPSStream nor at::mps::getDefaultMPSStream")
+
+
+def hook_facts(disasm: str, stubs: dict[str, str]) -> dict[str, dict[str, object]]:
+    """Per hook of :data:`HOOKS`: the stream it takes and whether it calls ``dispatch_assert_queue``
+    (then torch aborts unless it is called on that stream's queue)."""
+    bodies = disassembly_by_symbol(disasm)
+    facts = {}
+    for hook, symbol in HOOKS.items():
+        if symbol not in bodies:
+            raise ValueError(f"no disassembly of {symbol}")
+        targets = call_targets(bodies[symbol], stubs)
+        facts[hook] = {"stream": hook_stream(bodies[symbol]),
+                       "asserts_queue": any(t.startswith("_dispatch_assert_queue") for t in targets)}
+    return facts
+
+
+def check_streams(version: str, facts: dict[str, dict[str, object]], current_from: tuple[int, int]) -> list[str]:
+    """Each hook must take the stream ``backends.mps.HOOKS_CURRENT_STREAM_MIN_TORCH`` says for
+    ``version``: the current stream from that release on, the default stream before it."""
+    want = "current" if tuple(map(int, version.split(".")[:2])) >= current_from else "default"
+    gate = ".".join(map(str, current_from))
+    return [f"torch {version}: MPSHooks::{hook} takes the {f['stream']} MPS stream, but "
+            f"HOOKS_CURRENT_STREAM_MIN_TORCH ({gate}) says the {want} stream"
+            for hook, f in facts.items() if f["stream"] != want]
+
+
+def hooks_current_stream_min_torch(backends_text: str) -> tuple[int, int]:
+    m = re.search(r"^HOOKS_CURRENT_STREAM_MIN_TORCH\s*=\s*\((\d+),\s*(\d+)\)", backends_text, re.M)
+    if not m:
+        raise ValueError("backends/mps.py: no HOOKS_CURRENT_STREAM_MIN_TORCH = (major, minor)")
+    return int(m.group(1)), int(m.group(2))
+
+
 def run_tool(tool: str, *args: str) -> str:
     proc = subprocess.run([find_tool(tool), *args], capture_output=True, text=True)
     if proc.returncode != 0:
@@ -236,21 +333,78 @@ def run_tool(tool: str, *args: str) -> str:
     return proc.stdout
 
 
-def check_torch_wheel(version: str, cache: Path | None = None) -> list[str]:
-    """Every torch-wheel check above for torch ``version`` (downloads it once)."""
+# What torch_facts reads; a change of it changes the cache key, so old facts are never reused.
+_NM_KEEP = r"torch3mps|aoti_torch_|MPSHooks|MPSStream"
+_FACTS_SPEC = json.dumps({"v": 1, "hooks": HOOKS, "nm": _NM_KEEP, "members": [LIBTORCH, MPS_INIT, LIBTORCH_PYTHON]})
+
+
+def facts_path(version: str, cache: Path | None = None) -> Path:
+    import hashlib
+    key = hashlib.sha256(_FACTS_SPEC.encode()).hexdigest()[:12]
+    return (cache or cache_dir()) / "facts" / f"torch-{version}-{key}.json"
+
+
+def torch_facts(version: str, cache: Path | None = None, keep_wheel: bool | None = None) -> dict:
+    """What the torch checks read from torch ``version``'s macOS arm64 wheel: ``nm`` (the exported
+    symbols of libtorch_cpu.dylib that name torch::mps, the C shim, MPSHooks or MPSStream, as
+    ``llvm-nm --extern-only --defined-only`` prints them), ``dylib_id``, ``mps_init`` (the text of
+    torch/mps/__init__.py), ``disasm`` (the hooks' disassembly), ``stubs`` (the stubs the hooks
+    call), ``aoti_binding`` (libtorch_python names unsafe_alloc_void_ptrs_from_tensors). Read once
+    and kept as JSON; the wheel is then deleted unless ``keep_wheel`` (default: for
+    :data:`TORCH_CI` only, which the Objective-C check reads)."""
+    path = facts_path(version, cache)
+    if path.is_file():
+        return json.loads(path.read_text())
     wheel = download_wheel(f"torch=={version}", cache)
     dylib = str(extract(wheel, LIBTORCH))
-    mm_text = MM.read_text()
-    problems = check_exports(run_tool("llvm-nm", "--extern-only", "--defined-only", dylib),
-                             mm_torch_symbols(mm_text))
-    dylib_id = run_tool("llvm-objdump", "--macho", "--dylib-id", dylib).splitlines()[-1].strip()
-    problems += check_image_name(dylib_id, mm_image_suffix(mm_text))
-    api_problems, _ = check_mps_api(extract(wheel, MPS_INIT).read_text(encoding="utf-8"),
-                                    need_load_metallib=version == TORCH_CI)
+    nm = run_tool("llvm-nm", "--extern-only", "--defined-only", dylib)
+    disasm = run_tool("llvm-objdump", "-d", "--no-show-raw-insn",
+                      "--disassemble-symbols=" + ",".join(HOOKS.values()), dylib)
+    stubs = stub_targets(run_tool("llvm-objdump", "--macho", "--indirect-symbols", dylib))
+    called = {a.lstrip("0") for a in re.findall(r"\b(?:bl|b)\s+0x([0-9a-f]+)", disasm)}
+    facts = {
+        "version": version,
+        "nm": "\n".join(l for l in nm.splitlines() if re.search(_NM_KEEP, l)),
+        "dylib_id": run_tool("llvm-objdump", "--macho", "--dylib-id", dylib).splitlines()[-1].strip(),
+        "mps_init": extract(wheel, MPS_INIT).read_text(encoding="utf-8"),
+        "disasm": disasm,
+        "stubs": {a: n for a, n in stubs.items() if a in called},
+        "aoti_binding": b"unsafe_alloc_void_ptrs_from_tensors" in extract(wheel, LIBTORCH_PYTHON).read_bytes(),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".part")
+    tmp.write_text(json.dumps(facts))
+    tmp.replace(path)
+    if not (version == TORCH_CI if keep_wheel is None else keep_wheel):
+        shutil.rmtree(wheel.parent, ignore_errors=True)  # about 140 MB of wheel, 600 MB unzipped
+    return facts
+
+
+def check_torch_facts(version: str, facts: dict, mm_text: str, backends_text: str) -> list[str]:
+    """Every torch-wheel check above on what :func:`torch_facts` read."""
+    problems = check_exports(facts["nm"], mm_torch_symbols(mm_text))
+    problems += check_image_name(facts["dylib_id"], mm_image_suffix(mm_text))
+    api_problems, _ = check_mps_api(facts["mps_init"], need_load_metallib=version == TORCH_CI)
     problems += api_problems
-    disasm = run_tool("llvm-objdump", "-d", "--no-show-raw-insn", f"--disassemble-symbols={GET_COMMAND_BUFFER}", dylib)
-    problems += check_gate(version, disasm, tier1_min_torch(BACKENDS.read_text()))
+    bodies = disassembly_by_symbol(facts["disasm"])
+    problems += check_gate(version, bodies[GET_COMMAND_BUFFER], tier1_min_torch(backends_text))
+    problems += check_streams(version, hook_facts(facts["disasm"], facts["stubs"]),
+                              hooks_current_stream_min_torch(backends_text))
     return [f"torch {version}: {p}" if not p.startswith("torch ") else p for p in problems]
+
+
+def check_torch_wheel(version: str, cache: Path | None = None) -> list[str]:
+    """Every torch-wheel check above for torch ``version`` (downloads it once)."""
+    return check_torch_facts(version, torch_facts(version, cache), MM.read_text(), BACKENDS.read_text())
+
+
+def summary(version: str, facts: dict) -> str:
+    """One line of what a release's hooks do (for the log)."""
+    hooks = hook_facts(facts["disasm"], facts["stubs"])
+    streams = sorted({str(f["stream"]) for f in hooks.values()})
+    asserting = [h for h, f in hooks.items() if f["asserts_queue"]]
+    return (f"hooks take the {'/'.join(streams)} stream; dispatch_assert_queue in "
+            f"{', '.join(asserting) if asserting else 'none'}")
 
 
 # --------------------------------------------------------------------------- Objective-C API checks
@@ -492,28 +646,40 @@ def objc_problems(cache: Path | None = None, clang: str | None = None) -> list[s
 
 # --------------------------------------------------------------------------- command line
 
+def tier1_releases() -> list[str]:
+    """Every torch release from ``TIER1_MIN_TORCH`` to the newest with a macOS arm64 wheel on
+    PyPI, as the index lists them now."""
+    return torch_releases_since(tier1_min_torch(BACKENDS.read_text()))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--torch", nargs="+", default=None, help=f"torch releases to check (default {TORCH_CI})")
     ap.add_argument("--since", default=None, help="check every torch release from this MAJOR.MINOR on")
+    ap.add_argument("--tier1", action="store_true",
+                    help="check every release from TIER1_MIN_TORCH to PyPI's newest (a missing wheel fails)")
     ap.add_argument("--no-objc", action="store_true", help="skip the Objective-C API check")
     args = ap.parse_args(argv)
-    versions = args.torch or []
+    versions = list(args.torch or [])
     if args.since:
         versions += torch_releases_since(tuple(map(int, args.since.split(".")[:2])))
-    versions = versions or [TORCH_CI]
+    if args.tier1:
+        versions += tier1_releases()
+    versions = list(dict.fromkeys(versions or [TORCH_CI]))
     problems: list[str] = []
+    mm_text, backends_text = MM.read_text(), BACKENDS.read_text()
     for v in versions:
         try:
-            found = check_torch_wheel(v)
+            facts = torch_facts(v)
         except Unavailable as exc:
-            if not args.since or v == TORCH_CI:
+            if not args.since or args.tier1 or v == TORCH_CI:
                 raise
-            # A release listed by the index without a downloadable macOS arm64 wheel for
-            # CPython 3.11 (seen for torch 2.15.0): listed, not counted as a problem.
+            # --since alone reaches releases before tier 1's: one the index lists without a
+            # downloadable macOS arm64 wheel for CPython 3.11 is listed, not counted as a problem.
             print(f"torch {v}: not checked: {exc}")
             continue
-        print(f"torch {v}: {'ok' if not found else f'{len(found)} problem(s)'}")
+        found = check_torch_facts(v, facts, mm_text, backends_text)
+        print(f"torch {v}: {'ok' if not found else f'{len(found)} problem(s)'} ({summary(v, facts)})")
         problems += found
     if not args.no_objc:
         found = objc_problems()

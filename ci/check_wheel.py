@@ -10,7 +10,8 @@ Wheels (``check_wheel``):
   - file name, ``WHEEL`` tags, ``METADATA`` version and the packaged ``_version.py`` agree;
   - ``RECORD`` lists every file with a correct hash (a wheel edited after repair fails here);
   - ``mps_fused_adam/_cpu`` is present, built for this wheel's Python and CPU architecture;
-  - macOS: ``_metal`` and at least one ``mps_fused_adam/*.metallib`` next to it; extension
+  - macOS: ``_metal`` and exactly one metallib, ``mps_fused_adam/fused_adam.metallib`` (the one
+    name the loader loads), next to it; no metallib in other wheels; extension
     binaries declare a minimum macOS no newer than the tag claims;
   - every platform: ``.metal`` sources under ``mps_fused_adam/metal/`` (tier 3 compiles them at
     run time); with ``--metal-dir``, every ``*.metal`` file of that source directory;
@@ -28,7 +29,9 @@ is accepted unless ``--repaired`` is given; CI passes ``--repaired`` for what it
 Sdists (``check_sdist``): one top-level directory ``mps_fused_adam-<version>/`` holding
 pyproject.toml, CMakeLists.txt, every ``cmake/*.cmake`` that CMakeLists.txt includes, src/,
 metal/*.metal, python/mps_fused_adam/, a non-empty LICENSE, README.md and PKG-INFO with
-the same version; and no build products (a stray ``.so`` would shadow the one pip builds).
+the same version; no build products (a stray ``.so`` would shadow the one pip builds), no
+virtual environment (the README's set-up makes ``.venv`` inside the checkout), no benchmark
+results (run logs and plots: not needed to build or test), and at most 1 MB in all.
 """
 from __future__ import annotations
 
@@ -341,8 +344,7 @@ def check_wheel(path: str | Path, repaired: bool = False, metal_sources: list[st
                 problems.append(f"extension module {PACKAGE}/{mod} for this Python and platform is missing")
             for n in found:
                 problems += _extension_problems(n, zf.read(n), kind, arch)
-        if kind == "macos" and not [n for n in names if re.fullmatch(rf"{PACKAGE}/[^/]+\.metallib", n)]:
-            problems.append(f"no {PACKAGE}/*.metallib next to _metal (tier 1 and 2 would be unavailable)")
+        problems += _metallib_problems(names, kind)
 
         sources = {PurePosixPath(n).name for n in names if re.fullmatch(rf"{PACKAGE}/metal/[^/]+\.metal", n)}
         if not sources:
@@ -352,7 +354,31 @@ def check_wheel(path: str | Path, repaired: bool = False, metal_sources: list[st
     return problems
 
 
+# The one name mps_backends.METALLIB_NAME loads (a stdlib-only copy: this script imports nothing
+# of the package; tests/test_check_wheel.py checks the two agree).
+METALLIB = "fused_adam.metallib"
+
+
+def _metallib_problems(names: list[str], kind: str) -> list[str]:
+    """A macOS wheel holds exactly ``mps_fused_adam/fused_adam.metallib``, the file tiers 1 and 2
+    load: a metallib under any other name or place is never loaded, so it is a build mistake, and
+    a wheel without it would silently run tier 3 (a source build without the Metal toolchain may;
+    a wheel may not). Other wheels hold no metallib."""
+    want = f"{PACKAGE}/{METALLIB}"
+    problems = [f"{n}: a metallib other than {want}, which is the only one loaded"
+                for n in names if n.endswith(".metallib") and n != want]
+    if kind == "macos" and want not in names:
+        problems.append(f"no {want} next to _metal (tiers 1 and 2 would be unavailable)")
+    if kind != "macos" and want in names:
+        problems.append(f"{want} in a {kind} wheel (Metal runs on macOS only)")
+    return problems
+
+
 # --------------------------------------------------------------------------- sdists
+
+# Issue 30's limit: a clean checkout gave 716 KB, one with the README's .venv inside 158 MB.
+SDIST_MAX_BYTES = 1_000_000
+
 
 def check_sdist(path: str | Path) -> list[str]:
     """Problems found in the sdist at ``path``; an empty list means it passed."""
@@ -389,9 +415,22 @@ def check_sdist(path: str | Path) -> list[str]:
     if not any(re.fullmatch(r"metal/[^/]+\.metal", f) for f in files):
         problems.append("metal/ has no .metal sources")
     if "CMakeLists.txt" in files:
-        for inc in re.findall(r"include\(\s*(cmake/[^\s)]+\.cmake)\s*\)", read("CMakeLists.txt")):
-            if inc not in files:
-                problems.append(f"{inc}, included by CMakeLists.txt, is missing")
+        # CMakeLists.txt's includes, and theirs (cmake/apple_metal.cmake includes its toolchain
+        # probe as ${CMAKE_CURRENT_LIST_DIR}/metal_toolchain.cmake).
+        pending, seen = [("CMakeLists.txt", "")], set()
+        while pending:
+            includer, folder = pending.pop()
+            text = read(includer)
+            incs = re.findall(r"include\(\s*(cmake/[^\s)]+\.cmake)\s*\)", text)
+            incs += [folder + n for n in re.findall(r"include\(\s*\$\{CMAKE_CURRENT_LIST_DIR\}/([^\s)/]+\.cmake)\s*\)", text)]
+            for inc in incs:
+                if inc in seen:
+                    continue
+                seen.add(inc)
+                if inc not in files:
+                    problems.append(f"{inc}, included by {includer}, is missing")
+                else:
+                    pending.append((inc, inc.rsplit("/", 1)[0] + "/"))
     if "PKG-INFO" in files:
         v = re.search(r"^Version: (.+)$", read("PKG-INFO"), re.M)
         if not v or v.group(1).strip() != m["version"]:
@@ -399,6 +438,15 @@ def check_sdist(path: str | Path) -> list[str]:
     for f in sorted(files):
         if f.endswith((".so", ".dylib", ".metallib", ".pyc")) or f.startswith(("build/", "dist/")):
             problems.append(f"build product inside the sdist: {f}")
+    venvs = sorted({f.rsplit("/", 1)[0] or "." for f in files if f == "pyvenv.cfg" or f.endswith("/pyvenv.cfg")})
+    if venvs:
+        problems.append(f"a virtual environment inside the sdist: {', '.join(venvs)}")
+    results = sorted(f for f in files if f.startswith("benchmarks/results/"))
+    if results:
+        problems.append(f"benchmark results inside the sdist ({len(results)} files, e.g. {results[0]})")
+    size = path.stat().st_size
+    if size > SDIST_MAX_BYTES:
+        problems.append(f"the sdist is {size / 1e6:.2f} MB, over the limit of {SDIST_MAX_BYTES / 1e6:.0f} MB")
     return problems
 
 

@@ -47,7 +47,7 @@ WHEEL="${wheels[0]}"
 auditwheel show "$WHEEL"
 
 # A fresh environment: nothing from the system site-packages or the source tree. torch pinned
-# explicitly first, so the wheel's `torch>=2.4` is already met and pip downloads no other build.
+# explicitly first, so the wheel's `torch>=2.13` is already met and pip downloads no other build.
 "$PY" -m venv "$WORK/venv"
 VPY="$WORK/venv/bin/python"
 # MFA_VENV_LINK=PATH: a symlink to this environment, for ci/test_deepspeed_releases.sh (.ci/run).

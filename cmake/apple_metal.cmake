@@ -8,13 +8,18 @@ enable_language(OBJCXX)
 # target comes from CMAKE_OSX_DEPLOYMENT_TARGET / MACOSX_DEPLOYMENT_TARGET, set before project().)
 set(MFA_MACOS_MIN 14.0)
 
-# Run the compiler: without Xcode 26's separate Metal toolchain, `xcrun -f metal` still finds a
-# stub that only prints "cannot execute tool 'metal' due to missing Metal Toolchain".
-execute_process(COMMAND xcrun -sdk macosx metal --version RESULT_VARIABLE MFA_METAL_RC
-                OUTPUT_VARIABLE MFA_METAL_OUT ERROR_VARIABLE MFA_METAL_OUT)
-if(NOT MFA_METAL_RC EQUAL 0 OR MFA_METAL_OUT MATCHES "missing Metal Toolchain")
-  message(FATAL_ERROR "The Metal compiler does not run (Xcode 26 ships it separately: "
-                      "xcodebuild -downloadComponent MetalToolchain): ${MFA_METAL_OUT}")
+# Without a Metal compiler that runs (Command Line Tools only; Xcode 26 without its separate
+# Metal toolchain) the build warns and goes on without the metallib: `_cpu`, the .metal source and
+# `_metal` still install, and on MPS the package runs tier 3 (the bundled source compiled at run
+# time), which backend_info() reports with the reason. Release wheels must have it:
+# ci/check_wheel.py requires fused_adam.metallib in a macOS wheel.
+include(${CMAKE_CURRENT_LIST_DIR}/metal_toolchain.cmake)
+mfa_metal_toolchain(MFA_HAVE_METAL MFA_METAL_WHY)
+if(NOT MFA_HAVE_METAL)
+  message(WARNING "mps-fused-adam: the Metal compiler does not run (${MFA_METAL_WHY}). Building "
+                  "without fused_adam.metallib: on MPS the kernels are then compiled at run time "
+                  "from the bundled source (tier 3). For the prebuilt tiers install Xcode's Metal "
+                  "toolchain (Xcode 26: xcodebuild -downloadComponent MetalToolchain) and rebuild.")
 endif()
 
 # Fast math off, as MLX and PyTorch build their kernels; in the MSL specification that mode
@@ -22,32 +27,36 @@ endif()
 set(MFA_METAL_FLAGS -std=metal3.1 -mmacosx-version-min=${MFA_MACOS_MIN} -fno-fast-math
                     -ffp-contract=off -Wall -Wextra)
 
-file(GLOB MFA_METAL_SOURCES CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/metal/*.metal")
-set(MFA_AIR_FILES "")
-foreach(src ${MFA_METAL_SOURCES})
-  get_filename_component(stem "${src}" NAME_WE)
-  set(air "${CMAKE_CURRENT_BINARY_DIR}/${stem}.air")
-  add_custom_command(
-    OUTPUT "${air}"
-    COMMAND xcrun -sdk macosx metal ${MFA_METAL_FLAGS} -c "${src}" -o "${air}"
-    DEPENDS "${src}"
-    COMMENT "Compiling ${stem}.metal to AIR"
-    VERBATIM)
-  list(APPEND MFA_AIR_FILES "${air}")
-endforeach()
+if(MFA_HAVE_METAL)
+  file(GLOB MFA_METAL_SOURCES CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/metal/*.metal")
+  set(MFA_AIR_FILES "")
+  foreach(src ${MFA_METAL_SOURCES})
+    get_filename_component(stem "${src}" NAME_WE)
+    set(air "${CMAKE_CURRENT_BINARY_DIR}/${stem}.air")
+    add_custom_command(
+      OUTPUT "${air}"
+      COMMAND xcrun -sdk macosx metal ${MFA_METAL_FLAGS} -c "${src}" -o "${air}"
+      DEPENDS "${src}"
+      COMMENT "Compiling ${stem}.metal to AIR"
+      VERBATIM)
+    list(APPEND MFA_AIR_FILES "${air}")
+  endforeach()
 
-set(MFA_METALLIB "${CMAKE_CURRENT_BINARY_DIR}/fused_adam.metallib")
-add_custom_command(
-  OUTPUT "${MFA_METALLIB}"
-  COMMAND xcrun -sdk macosx metallib ${MFA_AIR_FILES} -o "${MFA_METALLIB}"
-  DEPENDS ${MFA_AIR_FILES}
-  COMMENT "Linking fused_adam.metallib"
-  VERBATIM)
-add_custom_target(mfa_metallib ALL DEPENDS "${MFA_METALLIB}")
-install(FILES "${MFA_METALLIB}" DESTINATION mps_fused_adam)
+  set(MFA_METALLIB "${CMAKE_CURRENT_BINARY_DIR}/fused_adam.metallib")
+  add_custom_command(
+    OUTPUT "${MFA_METALLIB}"
+    COMMAND xcrun -sdk macosx metallib ${MFA_AIR_FILES} -o "${MFA_METALLIB}"
+    DEPENDS ${MFA_AIR_FILES}
+    COMMENT "Linking fused_adam.metallib"
+    VERBATIM)
+  add_custom_target(mfa_metallib ALL DEPENDS "${MFA_METALLIB}")
+  install(FILES "${MFA_METALLIB}" DESTINATION mps_fused_adam)
+endif()
 
 nanobind_add_module(_metal NB_STATIC src/metal/metal_adam.mm)
-add_dependencies(_metal mfa_metallib)
+if(MFA_HAVE_METAL)
+  add_dependencies(_metal mfa_metallib)
+endif()
 target_compile_options(_metal PRIVATE -fobjc-arc)
 find_library(MFA_METAL_FRAMEWORK Metal REQUIRED)
 find_library(MFA_FOUNDATION_FRAMEWORK Foundation REQUIRED)

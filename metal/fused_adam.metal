@@ -1,8 +1,8 @@
 // Fused optimizer steps (Adam/AdamW, Lion, Adagrad) for Apple GPUs: one pass over memory per
 // tensor, math in fp32.
 //
-// The numeric contract is the README's "Numeric contract"; the operation order below is that of
-// python/mps_fused_adam/reference.py. Contraction into fma is off in every build of this text:
+// The numeric contract is docs/numerics.md; the operation order below is that of
+// python/mps_fused_adam/numerics/reference.py. Contraction into fma is off in every build of this text:
 // the metallib is compiled with -fno-fast-math -ffp-contract=off (cmake/apple_metal.cmake), and
 // the pragmas below say it again for tier 3, which torch compiles at run time with its own options
 // (language 3.1 on macOS 14). Square root and division use metal::precise:: forms, which stay
@@ -48,7 +48,7 @@ using namespace metal;
 #endif
 #endif
 
-// Adam, numeric contract v2 (python/mps_fused_adam/contract.py): one precise sqrt and one precise
+// Adam, numeric contract v2 (python/mps_fused_adam/numerics/contract.py): one precise sqrt and one precise
 // division per element; every other scalar comes from the host (computed in double, rounded once).
 struct AdamParams {
   float beta1;
@@ -92,7 +92,7 @@ struct AdamRule {
   }
 };
 
-// Lion (python/mps_fused_adam/contract.py): no sqrt, no division. sign(c) is 1, -1, +0 for both
+// Lion (python/mps_fused_adam/numerics/contract.py): no sqrt, no division. sign(c) is 1, -1, +0 for both
 // zeros and NaN for NaN (c - c), so a NaN momentum or gradient reaches the parameter.
 struct LionParams {
   float lr;
@@ -152,7 +152,7 @@ struct AdagradRule {
   }
 };
 
-// Adam whose bf16 parameter is stored by stochastic rounding (python/mps_fused_adam/lowbit.py):
+// Adam whose bf16 parameter is stored by stochastic rounding (python/mps_fused_adam/numerics/lowbit.py):
 // the Adam math above, then the store of ParamStore<AdamSRRule> below. The key is the tensor's
 // lowbit.sr_key(seed, step), so the host dispatches one tensor per struct.
 struct AdamSRParams {
@@ -301,7 +301,7 @@ kernel void fused_step_1(device P* param [[buffer(0)]],
   step_elements<Rule, P, S>(param, grad, state0, state0, hp, base, n, tid);
 }
 
-// 8-bit block-wise Adam (python/mps_fused_adam/lowbit.py, reference_lowbit.reference_adam8bit_):
+// 8-bit block-wise Adam (python/mps_fused_adam/numerics/lowbit.py, reference_lowbit.reference_adam8bit_):
 // both moments as uchar codes with one fp32 scale (absmax) per block of 256 elements. The thread
 // whose four elements start a block owns the whole block (the others return), so a block's new
 // scales are known before any of its codes is written and no threadgroup barrier is needed. The

@@ -94,7 +94,7 @@ def pkg(tmp_path):
     """A package directory laid out as the wheel installs it (the metallib is a placeholder:
     the stand-in library runs the emulator built from the same source)."""
     from emulated_mps import METAL_SOURCE
-    from mps_fused_adam.mps_backends import METALLIB_NAME
+    from mps_fused_adam.backends.mps import METALLIB_NAME
     (tmp_path / METALLIB_NAME).write_bytes(b"MTLB placeholder")
     (tmp_path / "metal").mkdir()
     shutil.copy(METAL_SOURCE, tmp_path / "metal" / "fused_adam.metal")

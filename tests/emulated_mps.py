@@ -6,7 +6,14 @@
   ``load(metallib_path, kernel_names)`` and ``step(kernel_name, tensors, scalars)``, ``tensors``
   being ``[params, grads, state lists...]`` of ``(buffer handle, byte offset, numel)`` triples; on
   CPU tensors the handle is the host address, so it runs the emulator where the real one encodes
-  a Metal dispatch.
+  a Metal dispatch. It reaches PyTorch's stream through a :class:`FakeTorchMps` as the ``.mm``
+  reaches it through torch::mps: queue taken on the calling thread, ``dispatch_sync``, the same
+  queue checked inside the block, then one encoder on that stream's command buffer, no commit.
+- :class:`FakeTorchMps` has torch::mps's hooks as the macOS wheels' ``libtorch_cpu.dylib`` shows
+  them (tests/test_apple_artifacts.py): before ``HOOKS_CURRENT_STREAM_MIN_TORCH`` (2.15) all three
+  take the default stream; from it on the calling thread's current stream (``torch.mps.stream``/
+  ``set_stream``), and ``getCommandBuffer``/``commitStream`` abort off that stream's queue
+  (``dispatch_assert_queue``).
 - :class:`FakeMpsApi` has ``load_metallib`` and ``compile_shader`` returning a :class:`FakeLibrary`
   whose kernels bind positional arguments the way torch's ``_mps_MetalKernel.__call__`` does
   (torch/csrc/mps/Module.cpp: tensor -> buffer at its storage offset, int -> int64, float -> fp32,
@@ -16,6 +23,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -24,6 +32,7 @@ import shutil
 import struct
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -142,17 +151,129 @@ def build_emulator(source_text: str | None = None) -> Emulator:
     return _cache[key]
 
 
+class FakeStream:
+    """One MPS stream: its serial queue (a token) and what was encoded on its command buffer."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.queue = f"queue of stream {name}"
+        self.encoders: list[list[dict]] = []  # one list of dispatches per compute encoder
+        self.commits = 0
+
+    def __repr__(self) -> str:
+        return f"FakeStream({self.name!r})"
+
+
+class DispatchAssertQueueFailed(AssertionError):
+    """What torch 2.15's getCommandBuffer/commitStream do off their stream's queue: abort."""
+
+
+class FakeTorchMps:
+    """torch::mps's three hooks and the stream API of torch ``version`` (see the module docstring).
+
+    ``blocks_elsewhere=True`` makes ``dispatch_sync`` run blocks on another thread, which GCD may do
+    (its documentation promises the calling thread only "as an optimization"); that thread has no
+    current stream of its own, so from 2.15 the hooks see the default stream there.
+    """
+
+    def __init__(self, version: tuple[int, int] = (2, 13), blocks_elsewhere: bool = False) -> None:
+        from mps_fused_adam.backends.mps import HOOKS_CURRENT_STREAM_MIN_TORCH
+        self.version = version
+        self.follows_current = version >= HOOKS_CURRENT_STREAM_MIN_TORCH
+        self.default = FakeStream("default")
+        self._all = [self.default]  # every stream made, for encoded()
+        self.blocks_elsewhere = blocks_elsewhere
+        self._local = threading.local()  # .current (the thread's stream), .queue (the queue it runs on)
+
+    # torch.mps's Python stream API (2.15: torch.mps.Stream, stream(), set_stream, current_stream)
+    def current_stream(self) -> FakeStream:
+        return getattr(self._local, "current", None) or self.default
+
+    def set_stream(self, stream: FakeStream) -> None:
+        self._local.current = stream
+
+    @contextlib.contextmanager
+    def stream(self, stream: FakeStream):
+        before = getattr(self._local, "current", None)
+        self._local.current = stream
+        try:
+            yield stream
+        finally:
+            self._local.current = before
+
+    # torch::mps hooks
+    def _hook_stream(self) -> FakeStream:
+        return self.current_stream() if self.follows_current else self.default
+
+    def _assert_queue(self, stream: FakeStream) -> None:
+        if self.follows_current and getattr(self._local, "queue", None) != stream.queue:
+            raise DispatchAssertQueueFailed(f"dispatch_assert_queue({stream.queue}) failed")
+
+    def get_dispatch_queue(self) -> str:
+        return self._hook_stream().queue
+
+    def get_command_buffer(self) -> FakeStream:
+        stream = self._hook_stream()
+        self._assert_queue(stream)
+        return stream
+
+    def commit(self) -> None:
+        stream = self._hook_stream()
+        self._assert_queue(stream)
+        stream.commits += 1
+
+    # libdispatch
+    def dispatch_sync(self, queue: str, block) -> None:
+        def run() -> None:
+            before = getattr(self._local, "queue", None)
+            self._local.queue = queue
+            try:
+                block()
+            finally:
+                self._local.queue = before
+        if not self.blocks_elsewhere:
+            run()
+            return
+        errors: list[BaseException] = []
+        worker = threading.Thread(target=lambda: _record(run, errors))
+        worker.start()
+        worker.join()
+        if errors:
+            raise errors[0]
+
+    def new_stream(self, name: str) -> FakeStream:
+        """A stream of the pool (torch.mps.Stream() in 2.15)."""
+        stream = FakeStream(name)
+        self._all.append(stream)
+        return stream
+
+    def encoded(self) -> list[tuple[str, int]]:
+        """(stream name, dispatch count) of every encoder so far, over every stream made."""
+        return [(s.name, len(e)) for s in self._all for e in s.encoders]
+
+
+def _record(fn, errors: list) -> None:
+    try:
+        fn()
+    except BaseException as exc:  # handed to the thread that called dispatch_sync
+        errors.append(exc)
+
+
 class FakeMetalExt:
     """The ``_metal`` extension's Python surface, dispatching through the emulator.
 
-    Mirrors metal_adam.mm: ``load`` checks that every named kernel exists; ``step`` runs the named
-    kernel over each parameter, split into dispatches of at most ``max_threads`` threads by
-    advancing ``base``, threadgroups of 256. It knows no rule: names, tensor lists and bytes.
+    Mirrors metal_adam.mm: ``load`` checks that every named kernel exists; ``step`` checks its
+    arguments, takes ``torch_mps``'s dispatch queue on the calling thread, and inside
+    ``dispatch_sync`` on it (after checking the queue is still this thread's) opens one encoder on
+    the command buffer of the stream the hooks give, runs the named kernel over each parameter,
+    split into dispatches of at most ``max_threads`` threads by advancing ``base``, threadgroups of
+    256, and commits nothing. It knows no rule: names, tensor lists and bytes.
     """
 
-    def __init__(self, emulator: Emulator, max_threads: int = 1 << 30) -> None:
+    def __init__(self, emulator: Emulator, max_threads: int = 1 << 30, torch_mps: FakeTorchMps | None = None) -> None:
         self.emu = emulator
         self.max_threads = max_threads
+        self.torch_mps = torch_mps or FakeTorchMps()
         self.loaded: list[str] = []
         self.calls: list[tuple] = []
 
@@ -176,14 +297,32 @@ class FakeMetalExt:
         if any(len(lst) != len(tensors[0]) for lst in tensors):
             raise ValueError("tensor lists differ in length")
         for refs in zip(*tensors):
-            n = refs[0][2]
-            if any(t[2] != n for t in refs):
+            if any(t[2] != refs[0][2] for t in refs):
                 raise ValueError("tensor sizes differ within one parameter")
-            addrs = tuple(handle + offset for handle, offset, _ in refs)
-            step = self.max_threads * 4
-            for base in range(0, n, step):
-                threads = -(-min(step, n - base) // 4)
-                self.emu.dispatch(kernel_name, addrs, scalars, base, n, threads, min(256, threads))
+        mps = self.torch_mps
+        queue = mps.get_dispatch_queue()
+        other_stream = False
+
+        def block() -> None:
+            nonlocal other_stream
+            if mps.get_dispatch_queue() != queue:
+                other_stream = True
+                return
+            encoder: list[dict] = []
+            mps.get_command_buffer().encoders.append(encoder)
+            for refs in zip(*tensors):
+                n = refs[0][2]
+                addrs = tuple(handle + offset for handle, offset, _ in refs)
+                step = self.max_threads * 4
+                for base in range(0, n, step):
+                    threads = -(-min(step, n - base) // 4)
+                    self.emu.dispatch(kernel_name, addrs, scalars, base, n, threads, min(256, threads))
+                    encoder.append(self.emu.dispatches[-1])
+
+        mps.dispatch_sync(queue, block)
+        if other_stream:
+            raise RuntimeError("mps_fused_adam._metal: PyTorch's queue ran the step on a thread of another MPS "
+                               "stream; nothing was encoded")
 
 
 class FakeKernel:
@@ -272,7 +411,7 @@ class FakeMpsApi:
 
 def make_backend(tier: int, pkg: Path, emu: Emulator, **kw):
     """Tier ``tier`` (1-3) of mps_backends.mps_tiers, its Apple pieces replaced by the stand-ins."""
-    from mps_fused_adam.mps_backends import mps_tiers
+    from mps_fused_adam.backends.mps import mps_tiers
     ext = kw.pop("ext", None) or FakeMetalExt(emu)
     tiers = mps_tiers(load_ext=lambda: ext, mps_api=kw.pop("api", None) or FakeMpsApi(emu), package_dir=pkg,
                       probe_device="cpu")

@@ -9,8 +9,8 @@ import torch
 from conftest import DTYPE_PAIRS, choose_backend_afresh, pair_id
 from mps_fused_adam import backends
 from mps_fused_adam.backends import ForeachBackend, TorchFusedBackend
-from mps_fused_adam.contract import AdamHyper
-from mps_fused_adam.reference import reference_adam_
+from mps_fused_adam.numerics.contract import AdamHyper
+from mps_fused_adam.numerics.reference import reference_adam_
 
 
 def tensors(pair, n=2053):

@@ -1,7 +1,7 @@
 """The benchmark's per-case summary: ours against the fastest other implementation and the floor."""
 from __future__ import annotations
 
-from mps_fused_adam.bench import Row, summary
+from mps_fused_adam.tools.bench import Row, summary
 
 
 def row(contender: str, ns: float, case: str = "flat 64M", threads: int = 16) -> Row:
@@ -37,7 +37,7 @@ def _positive(n: int, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=pair_id)
 @pytest.mark.parametrize("rule", ["floor", "floor1"])
 def test_floors_keep_every_value(simd, pair, rule):
-    from mps_fused_adam.bench import _floor_fn
+    from mps_fused_adam.tools.bench import _floor_fn
     pd, sd = pair
     params = []
     for n in (1, 37, 4099):
@@ -70,7 +70,7 @@ def test_8bit_floor_keeps_every_value(simd, dtype):
 
 def test_contenders_share_params_grads_and_moments():
     """Every contender of a case reads and writes the same memory as ours (bench.py's docstring)."""
-    from mps_fused_adam.bench import _contenders, _params
+    from mps_fused_adam.tools.bench import _contenders, _params
     params = _params(3, 64, torch.float32)
     found = _contenders(params, torch.float32, torch.float32, deepspeed=False, foreach=True)
     assert set(found) == {"ours", "floor", "torch fused", "torch foreach"}
@@ -89,7 +89,7 @@ def test_alternated_best_times_each_setting_in_turn():
     """The on/off helper of the diagnostics: each setting is switched on in turn, ``rounds``
     times, and the fastest call of each is reported (a setting that sleeps is the slower one)."""
     import time
-    from mps_fused_adam.timing import alternated_best
+    from mps_fused_adam.tools.timing import alternated_best
     seen, state = [], {}
 
     def switch(on):
@@ -106,7 +106,7 @@ def test_interleaved_rounds_vary_each_contenders_predecessor():
     """Every contender runs once per round (entry r of each list from round r), and over the
     rounds each one follows several different others: a contender that leaves work behind (torch's
     foreach frees gigabytes) must not always be followed by the same one."""
-    from mps_fused_adam.timing import interleaved_rounds
+    from mps_fused_adam.tools.timing import interleaved_rounds
     calls: list[str] = []
     names = ["ours", "floor", "torch fused", "torch foreach", "deepspeed"]
     contenders = {n: (lambda n=n: calls.append(n)) for n in names}

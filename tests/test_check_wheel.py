@@ -153,6 +153,40 @@ def test_missing_metallib(tmp_path):
     assert_one_problem(p, ".metallib")
 
 
+def test_missing_metallib_says_which_name(tmp_path):
+    p = problems_of(tmp_path, "macos", MAC, edit=lambda f: f.pop("mps_fused_adam/fused_adam.metallib"))
+    assert p == ["no mps_fused_adam/fused_adam.metallib next to _metal (tiers 1 and 2 would be unavailable)"]
+
+
+@pytest.mark.parametrize("other", ["mps_fused_adam/kernels.metallib", "mps_fused_adam/metal/fused_adam.metallib",
+                                   "fused_adam.metallib"])
+def test_metallib_under_another_name_is_refused(tmp_path, other):
+    """The loader loads exactly mps_fused_adam/fused_adam.metallib: one under another name or
+    place is refused, in place of it and beside it."""
+    def renamed(f):
+        f[other] = f.pop("mps_fused_adam/fused_adam.metallib")
+    p = problems_of(tmp_path, "macos", MAC, edit=renamed)
+    assert p == [f"{other}: a metallib other than mps_fused_adam/fused_adam.metallib, which is the only one loaded",
+                 "no mps_fused_adam/fused_adam.metallib next to _metal (tiers 1 and 2 would be unavailable)"]
+    def added(f):
+        f[other] = f["mps_fused_adam/fused_adam.metallib"]
+    (tmp_path / "beside").mkdir()
+    assert problems_of(tmp_path / "beside", "macos", MAC, edit=added) == [
+        f"{other}: a metallib other than mps_fused_adam/fused_adam.metallib, which is the only one loaded"]
+
+
+def test_metallib_in_a_linux_wheel_is_refused(tmp_path):
+    def add(f):
+        f["mps_fused_adam/fused_adam.metallib"] = b"MTLB" + bytes(60)
+    assert problems_of(tmp_path, "linux", "manylinux_2_28_x86_64", edit=add) == [
+        "mps_fused_adam/fused_adam.metallib in a linux wheel (Metal runs on macOS only)"]
+
+
+def test_checker_metallib_name_is_the_loaders():
+    from mps_fused_adam.backends.mps import METALLIB_NAME
+    assert cw.METALLIB == METALLIB_NAME
+
+
 def test_missing_metal_extension(tmp_path):
     p = problems_of(tmp_path, "macos", MAC, edit=lambda f: f.pop("mps_fused_adam/_metal.cpython-311-darwin.so"))
     assert_one_problem(p, "_metal")
@@ -305,7 +339,8 @@ SDIST_FILES = {
     "pyproject.toml": b"[project]\nname = 'mps-fused-adam'\n",
     "CMakeLists.txt": b"include(cmake/cpu_adam.cmake)\nif(APPLE)\n  include(cmake/apple_metal.cmake)\nendif()\n",
     "cmake/cpu_adam.cmake": b"# cpu\n",
-    "cmake/apple_metal.cmake": b"# apple\n",
+    "cmake/apple_metal.cmake": b"# apple\ninclude(${CMAKE_CURRENT_LIST_DIR}/metal_toolchain.cmake)\n",
+    "cmake/metal_toolchain.cmake": b"# probe\n",
     "src/cpu/step.cpp": b"int x;\n",
     "metal/fused_adam.metal": b"kernel void adam() {}\n",
     "python/mps_fused_adam/__init__.py": b"",
@@ -332,15 +367,29 @@ def test_well_formed_sdist_passes(tmp_path):
 @pytest.mark.parametrize("change,word", [
     (lambda f: f.pop("metal/fused_adam.metal"), "metal/"),
     (lambda f: f.pop("cmake/apple_metal.cmake"), "cmake/apple_metal.cmake"),
+    (lambda f: f.pop("cmake/metal_toolchain.cmake"), "cmake/metal_toolchain.cmake, included by cmake/apple_metal.cmake"),
     (lambda f: f.pop("README.md"), "README.md"),
     (lambda f: f.__setitem__("LICENSE", b""), "LICENSE is empty"),
     (lambda f: f.__setitem__("python/mps_fused_adam/_cpu.cpython-311-x86_64-linux-gnu.so", b"\0"), "build product"),
     (lambda f: f.__setitem__("PKG-INFO", b"Version: 9.9\n"), "PKG-INFO version"),
+    (lambda f: f.__setitem__(".venv/pyvenv.cfg", b"home = /usr/bin\n"), "virtual environment inside the sdist: .venv"),
+    (lambda f: f.__setitem__("benchmarks/results/cpu_2core.txt", b"ours 0.5\n"), "benchmark results"),
+    (lambda f: f.__setitem__("big.bin", os.urandom(1_100_000)), "over the limit of 1 MB"),
 ])
 def test_doctored_sdist(tmp_path, change, word):
     files = dict(SDIST_FILES)
     change(files)
     assert_one_problem(cw.check_sdist(make_sdist(tmp_path, files)), word)
+
+
+def test_sdist_includes_are_the_real_ones():
+    """The fixture's include lines are those of the real build files (so the check above follows
+    what CMake follows)."""
+    repo = Path(__file__).resolve().parents[1]
+    if not (repo / "CMakeLists.txt").is_file():
+        pytest.skip("needs the source tree")
+    assert "include(cmake/apple_metal.cmake)" in (repo / "CMakeLists.txt").read_text()
+    assert "include(${CMAKE_CURRENT_LIST_DIR}/metal_toolchain.cmake)" in (repo / "cmake" / "apple_metal.cmake").read_text()
 
 
 # ----------------------------------------------------------------------------- command line

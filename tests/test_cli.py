@@ -3,6 +3,7 @@ skip parts of the report, the JSON report, exit statuses; and ``bench --plot`` w
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -16,8 +17,8 @@ def _fresh_selfcheck_references():
     """The self-check makes its references once per process (lru_cache); a test that patches the
     contract must neither see references made before nor leave its own behind."""
     def clear():
-        if "mps_fused_adam.selfcheck" in sys.modules:
-            sc = sys.modules["mps_fused_adam.selfcheck"]
+        if "mps_fused_adam.tools.selfcheck" in sys.modules:
+            sc = sys.modules["mps_fused_adam.tools.selfcheck"]
             for name in ("_many_case", "_lowbit_cases"):
                 getattr(sc, name, None) and getattr(sc, name).cache_clear()
     clear()
@@ -71,9 +72,10 @@ def test_check_only_json():
     run = _run("--check", "--json")
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)  # nothing but the JSON object on stdout
-    assert set(report) == {"self_check", "passed"} and report["passed"] is True
-    from mps_fused_adam.contract import RULES
-    from mps_fused_adam.selfcheck import AGREEMENT_BOUND, AGREEMENT_LABEL, PAIRS
+    assert set(report) == {"self_check", "passed", "summary"} and report["passed"] is True
+    assert report["summary"]["checks_passed"] == report["summary"]["checks"] == len(report["self_check"])
+    from mps_fused_adam.numerics.contract import RULES
+    from mps_fused_adam.tools.selfcheck import AGREEMENT_BOUND, AGREEMENT_LABEL, PAIRS
     cpu_paths = [r for r in report["self_check"] if r["backend"].startswith("_cpu (")]
     # Every rule of contract.RULES per dtype pair; 8-bit Adam x 3, stochastic rounding x 2; several
     # tensors in one call; torch.optim.AdamW
@@ -103,7 +105,7 @@ def test_json_report_with_benchmark(monkeypatch, capsys):
     import torch
 
     from mps_fused_adam import __main__ as cli
-    from mps_fused_adam import bench
+    from mps_fused_adam.tools import bench
     monkeypatch.setattr(bench, "QUICK", dict(flat=4096, many=(4, 1024), repeats=5, foreach=False))
     assert cli.main(["--json"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -121,7 +123,7 @@ def test_json_report_with_benchmark(monkeypatch, capsys):
 
 def test_failed_self_check_exits_1(monkeypatch, capsys):
     from mps_fused_adam import __main__ as cli
-    from mps_fused_adam import selfcheck
+    from mps_fused_adam.tools import selfcheck
     bad = selfcheck.CheckResult("_cpu (test)", "cpu", "float32/float32", 9.5, False)
     monkeypatch.setattr(selfcheck, "all_checks", lambda: iter([bad]))
     assert cli.main(["--no-bench"]) == 1
@@ -130,7 +132,7 @@ def test_failed_self_check_exits_1(monkeypatch, capsys):
 
 
 def test_ratio_spread_against_hand_computed_quartiles():
-    from mps_fused_adam.timing import ratio_spread
+    from mps_fused_adam.tools.timing import ratio_spread
     torch_times = [2.0, 2.0, 2.0, 2.0, 2.0]
     ours = [1.0, 2.0, 4.0, 2.5, 1.6]  # ratios 2.0, 1.0, 0.5, 0.8, 1.25
     median, q1, q3 = ratio_spread(torch_times, ours)
@@ -138,16 +140,107 @@ def test_ratio_spread_against_hand_computed_quartiles():
     assert (q1, q3) == pytest.approx((0.65, 1.625))  # statistics.quantiles' default (exclusive) method
 
 
-def test_noise_note():
-    from mps_fused_adam.bench import Row, noise_note
-    calm = Row("flat", "fp32", 2, "ours", 1.0, 1.0, 1.0, 1.0, (0.98, 1.03))
-    busy = Row("flat", "fp32", 2, "ours", 1.0, 1.0, 1.0, 1.0, (0.80, 1.20))
-    assert noise_note([calm]) is None
-    assert "+-20%" in noise_note([calm, busy])
+def _rounds_with_spread(half_iqr: float, rounds: int = 21, seed: int = 0) -> tuple[list[float], list[float]]:
+    """Synthetic timings of torch fused and ours whose round-by-round ratio is 1.3 times a
+    lognormal noise with the given half interquartile range (relative)."""
+    import random
+    rng = random.Random(seed)
+    sigma = math.log1p(half_iqr) / 0.6745  # the quartiles of a normal sit at +-0.6745 sigma
+    ours = [1.0] * rounds
+    torch_times = [1.3 * math.exp(rng.gauss(0.0, sigma)) for _ in range(rounds)]
+    return torch_times, ours
+
+
+@pytest.mark.parametrize("half_iqr, fires", [(0.02, False), (0.08, False), (0.12, False), (0.15, False),  # idle
+                                             (0.35, True), (0.6, True)])                                 # loaded
+def test_noise_note_is_silent_on_idle_spreads_and_fires_on_loaded_ones(half_iqr, fires):
+    from mps_fused_adam.tools.bench import Row, noise_note
+    from mps_fused_adam.tools.timing import ratio_spread
+    rows = []
+    for seed in range(3):  # three cases, as in a run
+        torch_times, ours = _rounds_with_spread(half_iqr, seed=seed)
+        med, q1, q3 = ratio_spread(torch_times, ours)
+        rows.append(Row("flat", "fp32", 2, "ours", 1.0, 1.0, 1.0, med, (q1, q3)))
+    note = noise_note(rows, 21)
+    assert (note is not None) == fires, (half_iqr, note)
+    if fires:
+        assert "uncertain by up to +-" in note and "busy" in note
+
+
+def test_noise_note_judges_the_median_by_the_number_of_rounds():
+    from mps_fused_adam.tools.bench import Row, median_uncertainty, noise_note
+    row = Row("flat", "fp32", 2, "ours", 1.0, 1.0, 1.0, 1.0, (0.80, 1.20))  # rounds move +-20%
+    # sigma = 0.4 / 1.349; standard error of the median = 1.2533 sigma / sqrt(n)
+    assert median_uncertainty(row, 21) == pytest.approx(1.2533 * 0.4 / 1.349 / math.sqrt(21))
+    assert noise_note([row], 400) is None          # many rounds pin the median down
+    assert "+-8%" in noise_note([row], 21)           # over the 7.5% (one standard error) it allows
+    assert "+-12%" in noise_note([row], 10)
+    calmer = Row("flat", "fp32", 2, "ours", 1.0, 1.0, 1.0, 1.0, (0.85, 1.15))
+    assert noise_note([calmer], 21) is None
+    floor = Row("flat", "fp32", 2, "floor", 1.0, 1.0, 1.0, None, None)
+    assert noise_note([floor], 21) is None          # only ours' rows are judged
+
+
+def test_floor_rows_have_no_speed_against_torch(monkeypatch):
+    from mps_fused_adam.tools import bench
+    rows = bench.cpu_section(flat=4096, many=(4, 1024), thread_counts=[1], repeats=3, deepspeed=False,
+                             foreach=False, echo=False)
+    floors = [r for r in rows if r.contender == "floor"]
+    if not bench.floor_available():
+        pytest.skip("no compiled _cpu kernel: no floor rows")
+    assert floors and all(r.vs_torch_fused is None and r.vs_torch_fused_spread is None for r in floors)
+    assert all(r.vs_torch_fused is not None for r in rows if r.contender == "ours" and r.dtypes != "bf16/fp32-states")
+
+
+def test_summary_line_counts_checks_per_backend_and_gives_the_headline_ratio():
+    from mps_fused_adam.__main__ import summary
+    report = {"self_check": [{"backend": "_cpu (avx2)", "passed": True}, {"backend": "_cpu (avx2)", "passed": False},
+                             {"backend": "foreach", "passed": True}],
+              "torch_agreement": {"passed": True},
+              "benchmark": [{"contender": "ours", "vs_torch_fused": 1.5}, {"contender": "ours", "vs_torch_fused": 1.1},
+                            {"contender": "ours", "vs_torch_fused": 2.0}, {"contender": "ours", "vs_torch_fused": None},
+                            {"contender": "floor", "vs_torch_fused": None},
+                            {"contender": "torch fused", "vs_torch_fused": 1.0}]}
+    s = summary(report)
+    assert s["checks_passed"] == 3 and s["checks"] == 4
+    assert s["per_backend"] == {"_cpu (avx2)": {"passed": 1, "checks": 2}, "foreach": {"passed": 1, "checks": 1}}
+    assert s["vs_torch_fused"] == {"median": 1.5, "min": 1.1, "max": 2.0, "cases": 3}
+    assert s["line"] == ("summary: 3/4 checks passed (_cpu (avx2) 1/2, foreach 1/1, reference vs torch.optim.AdamW ok); "
+                         "speed vs torch fused 1.50x (median of 3 cases, 1.10x to 2.00x)")
+
+
+def test_the_command_ends_with_its_summary_line(monkeypatch, capsys):
+    from mps_fused_adam import __main__ as cli
+    from mps_fused_adam.tools import selfcheck
+    ok = selfcheck.CheckResult("_cpu (test)", "cpu", "float32/float32", 0.0, True)
+    monkeypatch.setattr(selfcheck, "all_checks", lambda: iter([ok, ok]))
+    assert cli.main(["--check"]) == 0
+    assert capsys.readouterr().out.rstrip().splitlines()[-1] == "summary: 2/2 checks passed (_cpu (test) 2/2)"
+
+
+def test_the_short_benchmark_says_why_its_floor_ratios_differ_from_the_docs(monkeypatch, capsys):
+    from mps_fused_adam import __main__ as cli
+    from mps_fused_adam.tools import bench
+    monkeypatch.setattr(bench, "QUICK", dict(flat=4096, many=(4, 1024), repeats=3, foreach=False))
+    cli.benchmark(echo=True)
+    out = capsys.readouterr().out
+    assert (bench.QUICK_SIZE_NOTE in out) == bench.floor_available()
+    assert "64M elements" in bench.QUICK_SIZE_NOTE and "caches" in bench.QUICK_SIZE_NOTE
+
+
+def test_a_closed_pipe_ends_the_command_quietly_with_exit_0():
+    """``python -m mps_fused_adam | head -1`` used to end in a BrokenPipeError traceback and exit 1."""
+    proc = subprocess.Popen([sys.executable, "-m", "mps_fused_adam", "--no-bench"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    first = proc.stdout.readline()
+    proc.stdout.close()  # the reader goes away, as head does after its lines
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 0, err
+    assert first.startswith(b"mps_fused_adam ") and "Traceback" not in err and "BrokenPipe" not in err, err
 
 
 def test_bench_plot_without_matplotlib_fails_before_running(monkeypatch):
-    from mps_fused_adam import bench
+    from mps_fused_adam.tools import bench
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
 
     def must_not_run(*a, **k):
@@ -173,14 +266,14 @@ class Tampered:
 
 
 def _check(after, device="cpu"):
-    from mps_fused_adam.selfcheck import check_backend
+    from mps_fused_adam.tools.selfcheck import check_backend
     return list(check_backend(Tampered(after), device, "tampered"))
 
 
 def _cases() -> int:
     """check_backend's cases: every rule of contract.RULES in every dtype pair of the self-check."""
-    from mps_fused_adam.contract import RULES
-    from mps_fused_adam.selfcheck import PAIRS
+    from mps_fused_adam.numerics.contract import RULES
+    from mps_fused_adam.tools.selfcheck import PAIRS
     return len(RULES) * len(PAIRS)
 
 
@@ -193,7 +286,7 @@ def test_a_nan_written_by_a_backend_fails_the_check():
 
 
 def test_abs_diff_counts_a_one_sided_nan_as_infinitely_wrong():
-    from mps_fused_adam.selfcheck import CheckResult, _abs_diff
+    from mps_fused_adam.tools.selfcheck import CheckResult, _abs_diff
     nan, inf = float("nan"), float("inf")
     a = torch.tensor([nan, nan, 1.0, inf, inf, -inf, 2.0])
     b = torch.tensor([nan, 1.0, nan, inf, 1.0, inf, 1.5])
@@ -241,7 +334,7 @@ def test_params_not_written_or_moved_backwards_fail_every_case(after):
 
 def test_the_tolerance_off_cpu_admits_rounding_differences():
     import dataclasses
-    from mps_fused_adam.selfcheck import UPDATE_BOUND
+    from mps_fused_adam.tools.selfcheck import UPDATE_BOUND
     results = _check(_one_ulp_off)
     assert len(results) == _cases()
     for r in results:
@@ -257,7 +350,8 @@ def test_a_host_scalar_bug_shared_with_the_reference_fails(monkeypatch, capsys):
     import dataclasses
 
     from mps_fused_adam import __main__ as cli
-    from mps_fused_adam import backends, contract, reference
+    from mps_fused_adam import backends
+    from mps_fused_adam.numerics import contract, reference
     orig = contract.adam_scalars
 
     def buggy(hp):
@@ -276,7 +370,7 @@ def test_a_host_scalar_bug_shared_with_the_reference_fails(monkeypatch, capsys):
 def test_torch_result_of_the_agreement_is_torch_optim_adamw():
     """The agreement check takes torch's result from its functional adamw (cheaper to import):
     it must be what torch.optim.AdamW(foreach=False) gives, bit for bit."""
-    from mps_fused_adam.selfcheck import _torch_adamw
+    from mps_fused_adam.tools.selfcheck import _torch_adamw
     p0, grads, theirs = _torch_adamw(20, 3001, 0.01)
     tp = torch.nn.Parameter(p0.clone())
     opt = torch.optim.AdamW([tp], lr=1e-3, weight_decay=0.01, foreach=False)
@@ -315,7 +409,8 @@ def test_benchmark_without_the_compiled_cpu_kernel_leaves_the_floor_out(monkeypa
     """An install whose _cpu extension did not load (the CPU backend is then foreach): the floor
     runs in that extension, so the benchmark leaves it out and says so instead of crashing."""
     from mps_fused_adam import __main__ as cli
-    from mps_fused_adam import backends, bench
+    from mps_fused_adam import backends
+    from mps_fused_adam.tools import bench
     monkeypatch.setitem(sys.modules, "mps_fused_adam._cpu", None)  # import now raises ImportError
     monkeypatch.setitem(backends._chosen, "cpu", backends.ForeachBackend())
     monkeypatch.setattr(bench, "QUICK", dict(flat=4096, many=(4, 1024), repeats=3, foreach=False))
@@ -338,7 +433,7 @@ def test_json_has_no_infinity_when_a_code_differs(monkeypatch, capsys):
     """An 8-bit kernel storing one wrong code is infinitely wrong; --json printed that as
     ``Infinity``, which JSON parsers other than Python's reject. It is null now."""
     from mps_fused_adam import __main__ as cli
-    from mps_fused_adam import optim8bit
+    from mps_fused_adam.optimizers import eight_bit as optim8bit
     orig = optim8bit._cpu_adam8bit
 
     def one_wrong_code(p, g, st, hp, key):
@@ -365,7 +460,7 @@ def test_a_backend_that_drops_all_but_the_first_tensor_of_a_call_fails(monkeypat
     monkeypatch.setattr(backends.CPUBackend, "update", first_only)
     assert cli.main(["--check", "--json"]) == 1
     failed = [r for r in _strict_json(capsys.readouterr().out)["self_check"] if not r["passed"]]
-    from mps_fused_adam.selfcheck import many_sizes
+    from mps_fused_adam.tools.selfcheck import many_sizes
     sizes = many_sizes(torch.get_num_threads())
     assert failed and all(r["backend"].startswith("_cpu (") and r["dtypes"].startswith(f"{len(sizes)} tensors, ")
                           for r in failed)
@@ -384,7 +479,7 @@ def test_a_backend_that_drops_all_but_the_first_tensor_of_a_call_fails(monkeypat
 ])
 def test_bench_rejects_thread_counts_and_rounds_below_one(module, argv, message, monkeypatch, capsys):
     import importlib
-    bench = importlib.import_module(f"mps_fused_adam.{module}")
+    bench = importlib.import_module(f"mps_fused_adam.tools.{module}")
 
     def must_not_run(*a, **k):
         raise AssertionError("the benchmark ran")
@@ -397,7 +492,7 @@ def test_bench_rejects_thread_counts_and_rounds_below_one(module, argv, message,
 @pytest.mark.parametrize("module", ["bench", "bench_rules"])
 def test_bench_repeats_reach_the_run(module, monkeypatch):
     import importlib
-    bench = importlib.import_module(f"mps_fused_adam.{module}")
+    bench = importlib.import_module(f"mps_fused_adam.tools.{module}")
     seen = {}
 
     class Stop(Exception):
@@ -422,7 +517,7 @@ def test_bench_repeats_reach_the_run(module, monkeypatch):
     (["--overhead", "--no-mps"], "--no-mps does not apply to --overhead"),
 ])
 def test_bench_rejects_options_the_chosen_section_would_ignore(argv, message, monkeypatch, capsys):
-    from mps_fused_adam import bench, bench_mps, bench_overhead
+    from mps_fused_adam.tools import bench, bench_mps, bench_overhead
 
     def must_not_run(*a, **k):
         raise AssertionError("a section ran")
@@ -435,29 +530,29 @@ def test_bench_rejects_options_the_chosen_section_would_ignore(argv, message, mo
 
 
 @pytest.mark.parametrize("module, section, argv, expected", [
-    ("bench_overhead", "overhead_section", [], {}),
-    ("bench_overhead", "overhead_section", ["--quick"], {"repeats": 30}),
-    ("bench_overhead", "overhead_section", ["--repeats", "5"], {"repeats": 5}),
-    ("bench_mps", "mps_benchmark_section", [], {}),
-    ("bench_mps", "mps_benchmark_section", ["--quick", "--repeats", "2"], {"numel": 8 * 2**20, "repeats": 2}),
+    ("bench_overhead", "overhead_section", ["--overhead"], {}),
+    ("bench_overhead", "overhead_section", ["--overhead", "--quick"], {"repeats": 30}),
+    ("bench_overhead", "overhead_section", ["--overhead", "--repeats", "5"], {"repeats": 5}),
+    ("bench_mps", "mps_benchmark_section", ["--mps-only"], {}),
+    ("bench_mps", "mps_benchmark_section", ["--mps-only", "--quick", "--repeats", "2"],
+     {"numel": 8 * 2**20, "repeats": 2}),
 ])
-def test_python_m_bench_mps_and_bench_overhead_run_their_section(module, section, argv, expected, monkeypatch):
-    """``python -m mps_fused_adam.bench_mps`` and ``.bench_overhead`` used to print nothing and
-    exit 0; they run their section of the benchmark now, with --repeats honoured."""
+def test_python_m_bench_runs_the_mps_and_overhead_sections(module, section, argv, expected, monkeypatch):
+    """``python -m mps_fused_adam.bench --mps-only`` and ``--overhead`` run their section alone,
+    with --repeats and --quick honoured."""
     import importlib
     import runpy
-    mod = importlib.import_module(f"mps_fused_adam.{module}")
+    mod = importlib.import_module(f"mps_fused_adam.tools.{module}")
     seen = []
     monkeypatch.setattr(mod, section, lambda **kwargs: seen.append(kwargs) or [])
-    monkeypatch.setattr(sys, "argv", [module, *argv])
-    with pytest.warns(RuntimeWarning, match="found in sys.modules"):  # runpy: it is imported already
-        with pytest.raises(SystemExit) as exit_:
-            runpy.run_module(f"mps_fused_adam.{module}", run_name="__main__")
+    monkeypatch.setattr(sys, "argv", ["bench", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module("mps_fused_adam.bench", run_name="__main__")
     assert exit_.value.code == 0 and seen == [expected]
 
 
 def test_python_m_bench_mps_says_there_is_no_mps_device():
-    run = subprocess.run([sys.executable, "-m", "mps_fused_adam.bench_mps"], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-m", "mps_fused_adam.bench", "--mps-only"], capture_output=True, text=True,
                          timeout=120)
     import torch
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
@@ -501,7 +596,7 @@ def test_unrecognised_env_values_warn_once(name, value, message):
 
 def test_bench_rules_reports_speed_against_torch_fused_where_it_runs(monkeypatch, capsys):
     """torch's fused Adagrad is a contender, yet the column was always '-'."""
-    from mps_fused_adam import bench_rules
+    from mps_fused_adam.tools import bench_rules
     monkeypatch.setattr(bench_rules, "_contenders", lambda rule, params, pd, sd: {})
     monkeypatch.setattr(bench_rules, "interleaved", lambda contenders, repeats: {
         "ours": 1.0, "floor": 0.5, "torch foreach": 8.0, "torch fused": 2.5})
@@ -513,8 +608,8 @@ def test_bench_rules_reports_speed_against_torch_fused_where_it_runs(monkeypatch
 
 
 def test_spread_note_says_min_and_max_below_four_rounds():
-    from mps_fused_adam.bench import SPREAD_NOTE, spread_note
-    from mps_fused_adam.timing import ratio_spread
+    from mps_fused_adam.tools.bench import SPREAD_NOTE, spread_note
+    from mps_fused_adam.tools.timing import ratio_spread
     assert spread_note(4) == SPREAD_NOTE and "middle half" in SPREAD_NOTE
     assert "lowest and highest of those ratios (only 3 rounds: no quartiles)" in spread_note(3)
     assert ratio_spread([2.0, 2.0, 2.0], [1.0, 4.0, 2.5]) == (0.8, 0.5, 2.0)  # median, min, max
@@ -523,9 +618,10 @@ def test_spread_note_says_min_and_max_below_four_rounds():
 def test_json_carries_the_benchmark_notes_and_warnings(monkeypatch, capsys):
     """--json readers saw neither the busy-machine note nor a warning such as the SIMD fallback."""
     from mps_fused_adam import __main__ as cli
-    from mps_fused_adam import backends, bench
+    from mps_fused_adam import backends
+    from mps_fused_adam.tools import bench
     monkeypatch.setattr(bench, "QUICK", dict(flat=4096, many=(4, 1024), repeats=3, foreach=False))
-    monkeypatch.setattr(bench, "noise_note", lambda rows: "note: ratios moved by up to +-40%")
+    monkeypatch.setattr(bench, "noise_note", lambda rows, rounds: "note: ratios moved by up to +-40%")
     monkeypatch.setenv("MPS_FUSED_ADAM_SIMD", "neon" if "neon" not in backends.get_backend("cpu")._cpu.simd_paths()
                        else "avx2")
     monkeypatch.delitem(backends._chosen, "cpu")  # chosen again, in the command: the warning comes then

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from mps_fused_adam import backends
-from mps_fused_adam.contract import RULES, AdamHyper, adam_scalars, rule
-from mps_fused_adam.reference import REFERENCES
-from mps_fused_adam.selfcheck import torch_agreement
+from mps_fused_adam.numerics.contract import RULES, AdamHyper, adam_scalars, rule
+from mps_fused_adam.numerics.reference import REFERENCES
+from mps_fused_adam.tools.selfcheck import torch_agreement
 
 
 def f32(x: float) -> float:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mps_fused_adam import _cpu, lowbit
-from mps_fused_adam.contract import AdamHyper
-from mps_fused_adam.optim8bit import _cpu_adam8bit
-from mps_fused_adam.reference_lowbit import reference_adam8bit_
+from mps_fused_adam import _cpu
+from mps_fused_adam.numerics import lowbit
+from mps_fused_adam.numerics.contract import AdamHyper
+from mps_fused_adam.optimizers.eight_bit import _cpu_adam8bit
+from mps_fused_adam.numerics.reference_lowbit import reference_adam8bit_
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -107,7 +108,7 @@ def test_rejects_bad_arguments():
 @pytest.mark.parametrize("n", [1, 7, 33, 4097, 100_003])
 def test_adam_stochastic_rounding_kernel_matches_reference(simd, sdtype, n):
     from mps_fused_adam.backends import CPUBackend
-    from mps_fused_adam.reference_lowbit import reference_adam_sr_
+    from mps_fused_adam.numerics.reference_lowbit import reference_adam_sr_
     gen = torch.Generator().manual_seed(n)
     p = torch.randn(n, generator=gen).bfloat16()
     m, v = torch.zeros(n, dtype=sdtype), torch.zeros(n, dtype=sdtype)
@@ -205,7 +206,7 @@ def test_many_rejects_bad_entries_before_writing_anything():
 def test_optimizer_steps_its_cpu_8bit_tensors_in_one_call(monkeypatch):
     """AdamW8bit on CPU: one adam8bit_step_many call per step for all its contiguous 8-bit tensors,
     one backend call for the fp32-moment ones of a group, and the reference's numbers."""
-    from mps_fused_adam import optim8bit
+    from mps_fused_adam.optimizers import eight_bit as optim8bit
     import mps_fused_adam as mfa
     calls = []
 
@@ -241,8 +242,8 @@ def test_selfcheck_of_lowbit_rules_catches_a_wrong_kernel():
     an 8-bit step with another beta1 changes codes (no bound can pass that), a stochastic-rounding
     step rounding to nearest instead misses the bits."""
     from mps_fused_adam.backends import CPUBackend
-    from mps_fused_adam.reference_lowbit import reference_adam8bit_
-    from mps_fused_adam.selfcheck import _cpu_lowbit, check_lowbit
+    from mps_fused_adam.numerics.reference_lowbit import reference_adam8bit_
+    from mps_fused_adam.tools.selfcheck import _cpu_lowbit, check_lowbit
     good = list(check_lowbit(*_cpu_lowbit(CPUBackend()), "cpu", "_cpu", n=600))
     assert len(good) == 5 and all(r.passed and r.bit_exact for r in good)
 

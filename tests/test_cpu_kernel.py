@@ -9,8 +9,8 @@ import torch
 
 from mps_fused_adam import _cpu
 from mps_fused_adam.backends import CPUBackend
-from mps_fused_adam.contract import RULES, AdamHyper
-from mps_fused_adam.reference import reference_adam_
+from mps_fused_adam.numerics.contract import RULES, AdamHyper
+from mps_fused_adam.numerics.reference import reference_adam_
 
 from conftest import DTYPE_PAIRS, pair_id
 
@@ -287,8 +287,8 @@ def test_bf16_pairs_change_speed_only(simd, sr):
     """The even/odd-lane path of bf16 params and states (x86) moves no bit: on and off both match
     the reference, rounding to nearest and stochastically, for sizes that end in a pair, a single
     vector and a short tail."""
-    from mps_fused_adam import lowbit
-    from mps_fused_adam.reference_lowbit import reference_adam_sr_
+    from mps_fused_adam.numerics import lowbit
+    from mps_fused_adam.numerics.reference_lowbit import reference_adam_sr_
     assert _cpu.bf16_pairs()  # the default
     try:
         for on in (False, True):

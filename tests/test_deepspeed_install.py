@@ -326,8 +326,8 @@ def test_lion_adagrad_builders_and_lamb_out_of_scope(tmp_path):
     print("CALLS", sorted(mfd.kernel_calls()))
     # DeepSpeed's own optimizer classes on a non-contiguous (transposed) parameter: updated, and
     # exactly as the reference says (DeepSpeed's C++ ops would update a contiguous copy and lose it).
-    from mps_fused_adam.contract import AdagradHyper, LionHyper
-    from mps_fused_adam.reference import reference_adagrad_, reference_lion_
+    from mps_fused_adam.numerics.contract import AdagradHyper, LionHyper
+    from mps_fused_adam.numerics.reference import reference_adagrad_, reference_lion_
     for cls, ref_fn, hp, key in ((DeepSpeedCPULion, reference_lion_, LionHyper(1e-2, 0.9, 0.99, 0.0), "exp_avg"),
                                  (DeepSpeedCPUAdagrad, reference_adagrad_, AdagradHyper(1e-2, 1e-10, 0.0, 1), "exp_avg_sq")):
         start = torch.randn(6, 5).t()

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from mps_fused_adam.contract import AdamHyper
+from mps_fused_adam.numerics.contract import AdamHyper
 from mps_fused_adam.deepspeed import ops
-from mps_fused_adam.reference import reference_adam_
+from mps_fused_adam.numerics.reference import reference_adam_
 
 PAIRS = [(torch.float32, torch.float32), (torch.float16, torch.float32), (torch.float16, torch.float16),
          (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)]
@@ -189,7 +189,7 @@ def _rollback_numpy(p, g, m, v, lr, b1, b2, eps, wd, step):
     """The AdamW rollback DeepSpeed defines (the algebraic inverse of the step from the updated
     moments, csrc/adam/cpu_adam_impl.cpp's adamw_rollback_inplace), written for the step of
     contract v2 in numpy float32, with the fp32 scalars our update used (contract.adam_scalars)."""
-    from mps_fused_adam.contract import adam_scalars
+    from mps_fused_adam.numerics.contract import adam_scalars
     k = adam_scalars(AdamHyper(lr, b1, b2, eps, wd, step))
     f = np.float32
     p, g, m, v = (t.numpy().astype(np.float32, copy=True) for t in (p, g, m, v))

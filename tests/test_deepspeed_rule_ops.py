@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mps_fused_adam.contract import AdagradHyper, LionHyper
+from mps_fused_adam.numerics.contract import AdagradHyper, LionHyper
 from mps_fused_adam.deepspeed import ops, rule_ops
-from mps_fused_adam.reference import reference_adagrad_, reference_lion_
+from mps_fused_adam.numerics.reference import reference_adagrad_, reference_lion_
 
 from conftest import DTYPE_PAIRS, pair_id
 

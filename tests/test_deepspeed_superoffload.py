@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from mps_fused_adam.contract import AdamHyper
-from mps_fused_adam.reference import reference_adam_
+from mps_fused_adam.numerics.contract import AdamHyper
+from mps_fused_adam.numerics.reference import reference_adam_
 
 sys.path.insert(0, str(Path(__file__).parent / "deepspeed_support"))
 import dsenv  # noqa: E402

@@ -279,7 +279,7 @@ PIN_SCRIPT = textwrap.dedent("""
     import json, os, threading, torch
     from mps_fused_adam import _cpu
     from mps_fused_adam.backends import get_backend
-    from mps_fused_adam.contract import AdamHyper
+    from mps_fused_adam.numerics.contract import AdamHyper
 
     def allowed():
         out = {}

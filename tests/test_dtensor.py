@@ -88,7 +88,7 @@ def test_plain_params_pay_no_dtensor_isinstance(monkeypatch):
     """torch.distributed.tensor is loaded with torch._dynamo, so the full step path runs beside a
     DTensor class almost always: plain params are told apart by their exact type, without an
     isinstance against DTensor per tensor (which made the path about 40% slower)."""
-    from mps_fused_adam import dtensor
+    from mps_fused_adam.optimizers import dtensor
 
     class Meta(type):
         calls = 0

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mps_fused_adam as mfa
-from mps_fused_adam import validate
+from mps_fused_adam.optimizers import validate
 
 
 def snapshot(opt, params):

@@ -22,8 +22,8 @@ PRELUDE = textwrap.dedent("""
     import numpy as np
     from mps_fused_adam import _cpu
     from mps_fused_adam.backends import CPUBackend
-    from mps_fused_adam.contract import RULES, AdamHyper
-    from mps_fused_adam.reference import reference_adam_
+    from mps_fused_adam.numerics.contract import RULES, AdamHyper
+    from mps_fused_adam.numerics.reference import reference_adam_
     HP = AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, 1)
     N = 1 << 18  # enough elements for two threads
 

@@ -7,10 +7,9 @@ import math
 import pytest
 import torch
 
-from mps_fused_adam import lowbit
-from mps_fused_adam.contract import AdamHyper
-from mps_fused_adam.reference_lowbit import (block_absmax, dequantize, quantize, reference_adam8bit_,
-                                             reference_adam_sr_)
+from mps_fused_adam.numerics import lowbit
+from mps_fused_adam.numerics.contract import AdamHyper
+from mps_fused_adam.numerics.reference_lowbit import (block_absmax, dequantize, quantize, reference_adam8bit_, reference_adam_sr_)
 
 from conftest import require_bitsandbytes
 
@@ -195,7 +194,7 @@ def test_clamp_contains_the_known_hazard(monkeypatch):
     assert (q - exact).abs().max().item() < 10 * lr * steps
     # The CUDA rule of bitsandbytes (plain nearest code, so small second moments become zero, and
     # no clamp) on the same run shows the hazard both defenses are there for.
-    from mps_fused_adam import reference_lowbit
+    from mps_fused_adam.numerics import reference_lowbit
     original = reference_lowbit.quantize
 
     def nearest_code_only(x, absmax, signed):

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 import mps_fused_adam as mfa
-from mps_fused_adam import bnb_compat, lowbit
-from mps_fused_adam.contract import AdamHyper
-from mps_fused_adam.optim8bit import state_bytes_per_param
-from mps_fused_adam.reference_lowbit import dequantize, reference_adam8bit_
+from mps_fused_adam import bnb_compat
+from mps_fused_adam.numerics import lowbit
+from mps_fused_adam.numerics.contract import AdamHyper
+from mps_fused_adam.optimizers.eight_bit import state_bytes_per_param
+from mps_fused_adam.numerics.reference_lowbit import dequantize, reference_adam8bit_
 
 from conftest import require_bitsandbytes
 
@@ -249,12 +250,13 @@ def test_conversion_rejects_a_foreign_map():
         bnb_compat.from_bitsandbytes(sd)
 
 
-def test_readme_low_bit_example_runs():
+def test_docs_low_bit_example_steps():
+    """docs/lowbit.md's example (tests/test_doc_blocks.py runs it too) steps both optimizers into the
+    states it names, and another step after it works."""
     import re
     from pathlib import Path
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    section = text[text.index("## Low-bit training"):text.index("## The CPU kernel")]
-    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    text = (Path(__file__).resolve().parents[1] / "docs" / "lowbit.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert blocks
     scope: dict = {}
     exec(blocks[0], scope)
@@ -269,7 +271,7 @@ def test_readme_low_bit_example_runs():
 def test_non_contiguous_param_and_via_cpu_path(monkeypatch):
     """A transposed param is updated like a contiguous one; the MPS route (CPU copies written
     back) gives the reference's bits too (exercised here by pretending CPU tensors need it)."""
-    from mps_fused_adam import reference_lowbit
+    from mps_fused_adam.numerics import reference_lowbit
     base = torch.randn(64, 80)
     p = torch.nn.Parameter(base.t())
     q = torch.nn.Parameter(base.t().contiguous())
@@ -295,9 +297,9 @@ def test_sr_group_takes_full_path_each_step_and_other_groups_keep_their_plan():
     """Cached step plans (step_plan.py) carry no per-step stochastic-rounding key: a group with
     ``bf16_stochastic_round`` is never planned and matches the reference on every step, while a
     plain group of the same optimizer is planned and used from its second step."""
-    from mps_fused_adam import step_plan
-    from mps_fused_adam.reference import reference_adam_
-    from mps_fused_adam.reference_lowbit import reference_adam_sr_
+    from mps_fused_adam.optimizers import step_plan
+    from mps_fused_adam.numerics.reference import reference_adam_
+    from mps_fused_adam.numerics.reference_lowbit import reference_adam_sr_
 
     torch.manual_seed(3)
     sr_ps = [torch.nn.Parameter(torch.randn(n).bfloat16()) for n in (300, 1000)]

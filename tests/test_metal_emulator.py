@@ -1,6 +1,6 @@
 """The shipped Metal kernel, compiled as C++ and run over its grid on the CPU, against the reference.
 
-The reference (mps_fused_adam.reference) is independent torch code with the contract's operation
+The reference (mps_fused_adam.numerics.reference) is independent torch code with the contract's operation
 order, so the kernel must match it bit for bit: in fp32 by the contract, and in half/bfloat too,
 because both widen exactly, compute in fp32 in the same order and round to nearest even once per
 store. The contract's looser bound (8 * eps(dtype) * max|ref|) is what other implementations and
@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from emulated_mps import METAL_SOURCE, Emulator, build_emulator, compile_emulator, find_compiler, host_names
-from mps_fused_adam.contract import RULES, AdamHyper, example
-from mps_fused_adam import lowbit
-from mps_fused_adam.mps_backends import KERNELS, METAL_RULES, pack_params
-from mps_fused_adam.reference import reference_adam_
-from mps_fused_adam.reference_lowbit import reference_adam8bit_, reference_adam_sr_
+from mps_fused_adam.numerics.contract import RULES, AdamHyper, example
+from mps_fused_adam.numerics import lowbit
+from mps_fused_adam.backends.mps import KERNELS, METAL_RULES, pack_params
+from mps_fused_adam.numerics.reference import reference_adam_
+from mps_fused_adam.numerics.reference_lowbit import reference_adam8bit_, reference_adam_sr_
 
 # (param dtype, state dtype) of every instantiation in fused_adam.metal.
 VARIANTS = [(torch.float32, torch.float32), (torch.float16, torch.float32),

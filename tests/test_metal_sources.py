@@ -21,12 +21,13 @@ from conftest import require_tool
 import torch
 
 from emulated_mps import METAL_SOURCE, FakeMetalExt, FakeMpsApi, build_emulator
-from mps_fused_adam import bench_mps
-from mps_fused_adam.mps_backends import METALLIB_NAME, mps_tiers
+from mps_fused_adam.tools import bench_mps
+from mps_fused_adam.backends.mps import METALLIB_NAME, mps_tiers
 
 REPO = Path(__file__).resolve().parent.parent
 MM = REPO / "src" / "metal" / "metal_adam.mm"
 APPLE_CMAKE = REPO / "cmake" / "apple_metal.cmake"
+METAL_PROBE = REPO / "cmake" / "metal_toolchain.cmake"
 
 pytestmark = pytest.mark.skipif(not MM.is_file(), reason="needs the source tree (src/, cmake/)")
 
@@ -36,8 +37,7 @@ def test_torch_mps_symbols_exist_in_loaded_libtorch():
     torch version, so the same lookup serves every torch release that has them). Here it is the
     Linux .so; on macOS _metal finds libtorch_cpu.dylib among the loaded images."""
     names = re.findall(r'"(_ZN5torch3mps\w+)"', MM.read_text())
-    assert sorted(names) == ["_ZN5torch3mps18get_command_bufferEv", "_ZN5torch3mps18get_dispatch_queueEv",
-                             "_ZN5torch3mps6commitEv"]
+    assert sorted(names) == ["_ZN5torch3mps18get_command_bufferEv", "_ZN5torch3mps18get_dispatch_queueEv"]
     libtorch = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
     if not libtorch.is_file():
         pytest.skip("not a Linux torch")
@@ -90,8 +90,12 @@ def test_metal_source_is_ascii():
 
 
 def test_apple_only_code_under_250_lines():
-    lines = [l for f in (MM, APPLE_CMAKE) for l in f.read_text().splitlines() if l.strip()]
-    assert len(lines) < 250, len(lines)
+    """The issue's budget: the Objective-C++ under 250 lines, blank lines included (issue 27; it
+    counted the .mm and the Apple CMake together before the toolchain probe grew a fallback); the
+    Apple CMake (with its toolchain probe), which only runs tools, under 100 non-blank lines."""
+    assert len(MM.read_text().splitlines()) < 250
+    cmake = [l for f in (APPLE_CMAKE, METAL_PROBE) for l in f.read_text().splitlines() if l.strip()]
+    assert len(cmake) < 100, len(cmake)
 
 
 def test_apple_cmake_compiles_without_fast_math():
@@ -194,11 +198,20 @@ def _configure_apple_cmake(tmp_path: Path, xcrun_script: str) -> tuple[subproces
                  f"-DPython_EXECUTABLE={sys.executable}",
                  f"-DMFA_METAL_FRAMEWORK={fake_fw}", f"-DMFA_FOUNDATION_FRAMEWORK={fake_fw}"]
     proc = subprocess.run(configure, env=env, capture_output=True, text=True)
-    if proc.returncode == 0:
+    if proc.returncode == 0 and (tmp_path / "build" / "CMakeFiles" / "mfa_metallib.dir").is_dir():
         build = subprocess.run([cmake, "--build", str(tmp_path / "build"), "--target", "mfa_metallib"],
                                env=env, capture_output=True, text=True)
         assert build.returncode == 0, build.stdout + build.stderr
     return proc, (log.read_text().splitlines() if log.exists() else [])
+
+
+def _fake_xcrun(tmp_path: Path, script: str) -> dict:
+    """An environment whose PATH starts with a stand-in `xcrun` running ``script``."""
+    bin_dir = tmp_path / "xcrun-bin"
+    bin_dir.mkdir()
+    (bin_dir / "xcrun").write_text("#!/bin/sh\n" + script)
+    (bin_dir / "xcrun").chmod(0o755)
+    return dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
 
 
 # A working toolchain: `metal --version` prints a version; other calls create their -o file.
@@ -228,22 +241,74 @@ def test_apple_cmake_builds_the_metallib_with_the_documented_commands(tmp_path):
     assert "-fobjc-arc" in flags
 
 
-@pytest.mark.skipif(sys.platform == "darwin", reason="on macOS the wheel build runs it for real")
-@pytest.mark.parametrize("stub", [
+# Stand-ins for a Mac whose Metal compiler does not run.
+_NO_TOOLCHAIN = {
     # Xcode 26 without the Metal toolchain component: `xcrun -f metal` succeeds, running it fails.
-    '[ "$1 $2" = "-sdk macosx" ] && [ "$3" = "-f" ] && { echo /usr/bin/metal; exit 0; }\n'
-    "echo \"error: cannot execute tool 'metal' due to missing Metal Toolchain; use: "
-    'xcodebuild -downloadComponent MetalToolchain" >&2\nexit 72\n',
+    "xcode26-no-component":
+        '[ "$1 $2" = "-sdk macosx" ] && [ "$3" = "-f" ] && { echo /usr/bin/metal; exit 0; }\n'
+        "echo \"error: cannot execute tool 'metal' due to missing Metal Toolchain; use: "
+        'xcodebuild -downloadComponent MetalToolchain" >&2\nexit 72\n',
     # The same message with a zero exit status.
-    "echo \"error: cannot execute tool 'metal' due to missing Metal Toolchain\"\nexit 0\n",
-], ids=["exit-72", "exit-0"])
-def test_apple_cmake_stops_without_the_metal_toolchain(tmp_path, stub):
+    "message-exit-0": "echo \"error: cannot execute tool 'metal' due to missing Metal Toolchain\"\nexit 0\n",
+    # The Command Line Tools alone: no metal at all.
+    "command-line-tools":
+        "echo 'xcrun: error: unable to find utility \"metal\", not a developer tool or in PATH' >&2\nexit 72\n",
+}
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="on macOS the wheel build runs it for real")
+@pytest.mark.parametrize("stub", list(_NO_TOOLCHAIN.values()), ids=list(_NO_TOOLCHAIN))
+def test_apple_cmake_warns_and_builds_without_the_metallib(tmp_path, stub):
+    """No Metal compiler that runs: the configure warns with the tool's own words and the fix, then
+    goes on: no metallib target or install rule, but `_metal` is configured and installed (and
+    `_cpu` with it, in the real CMakeLists). The package then runs tier 3 on MPS, saying why
+    (tests/test_mps_dispatch.py::test_fallback_when_metallib_missing)."""
     proc, calls = _configure_apple_cmake(tmp_path, stub)
-    assert proc.returncode != 0
     out = " ".join((proc.stdout + proc.stderr).split())  # cmake wraps long messages
-    assert "The Metal compiler does not run" in out and "xcodebuild -downloadComponent MetalToolchain" in out
-    assert "missing Metal Toolchain" in out  # the tool's own words are passed on
-    assert calls == ["-sdk macosx metal --version"]  # stopped before compiling anything
+    assert proc.returncode == 0, out
+    assert "CMake Warning" in proc.stderr
+    assert "the Metal compiler does not run" in out and "Building without fused_adam.metallib" in out
+    assert "xcodebuild -downloadComponent MetalToolchain" in out and "tier 3" in out
+    assert ("missing Metal Toolchain" in out) or ('unable to find utility "metal"' in out)  # passed on
+    assert calls == ["-sdk macosx metal --version"]  # nothing compiled
+    build = tmp_path / "build"
+    assert not (build / "CMakeFiles" / "mfa_metallib.dir").exists()
+    assert "-fobjc-arc" in (build / "CMakeFiles" / "_metal.dir" / "flags.make").read_text()
+    install = (build / "cmake_install.cmake").read_text()
+    assert "fused_adam.metallib" not in install and "_metal" in install
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="on macOS the wheel build runs it for real")
+def test_metallib_is_installed_when_the_toolchain_runs(tmp_path):
+    proc, _ = _configure_apple_cmake(tmp_path, _RECORDING_XCRUN)
+    assert proc.returncode == 0 and "CMake Warning" not in proc.stderr
+    install = (tmp_path / "build" / "cmake_install.cmake").read_text()
+    assert "fused_adam.metallib" in install and "_metal" in install
+
+
+@pytest.mark.parametrize("stub", [_RECORDING_XCRUN, *_NO_TOOLCHAIN.values()],
+                         ids=["toolchain", *_NO_TOOLCHAIN])
+def test_metal_toolchain_probe_in_script_mode(tmp_path, stub):
+    """cmake/metal_toolchain.cmake on its own (`cmake -P`), both branches, with stand-in `xcrun`s."""
+    cmake, = require_tool("cmake")
+    env = _fake_xcrun(tmp_path, 'LOG=/dev/null\n' + stub)
+    proc = subprocess.run([cmake, "-P", str(METAL_PROBE)], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    line = proc.stderr.strip()
+    if stub is _RECORDING_XCRUN:
+        assert line == "metal toolchain: found: Apple metal version 32023.830 (metalfe-32023.830.1)"
+    else:
+        assert line.startswith("metal toolchain: missing: xcrun -sdk macosx metal --version: ")
+        assert "missing Metal Toolchain" in line or 'unable to find utility "metal"' in line
+
+
+def test_metal_toolchain_probe_without_xcrun(tmp_path):
+    """No xcrun at all (not a Mac, or no developer tools): the probe says missing, it does not fail."""
+    cmake, = require_tool("cmake")
+    env = dict(os.environ, PATH=str(tmp_path))  # nothing on PATH
+    proc = subprocess.run([cmake, "-P", str(METAL_PROBE)], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip().startswith("metal toolchain: missing: xcrun -sdk macosx metal --version: ")
 
 
 def test_kernel_math_uses_precise_sqrt_and_division():
@@ -276,3 +341,21 @@ def test_extension_uses_pytorchs_device_and_null_safe_image_names():
     image = code[code.index("_dyld_get_image_name(i)"):]
     assert re.match(r"_dyld_get_image_name\(i\);\s*const size_t len = image != nullptr \? std::strlen\(image\) : 0;",
                     image)
+
+
+def test_step_encodes_on_the_callers_stream_without_committing():
+    """step() takes the queue on the calling thread (its current stream from torch 2.15), checks
+    inside the block that get_dispatch_queue() still gives that queue before it touches the command
+    buffer (2.15's getCommandBuffer aborts off its stream's queue: tests/test_apple_artifacts.py),
+    raises after the block when it did not, and never commits (PyTorch commits its command buffer;
+    docs/torch-releases.md says why). The emulated _metal (tests/emulated_mps.py) does the same."""
+    code = re.sub(r"//[^\n]*", "", MM.read_text())
+    step = code[code.index("void step("):code.index("NB_MODULE")]
+    assert "commit" not in code and "_ZN5torch3mps6commitEv" not in code
+    assert re.search(r"dispatch_queue_t queue = g_torch\.get_dispatch_queue\(\);\s*__block bool other_stream = false;"
+                     r"\s*dispatch_sync\(queue, \^\{", step)
+    block = step[step.index("dispatch_sync(queue"):]
+    guard = block.index("if ((other_stream = g_torch.get_dispatch_queue() != queue)) return;")
+    assert guard < block.index("g_torch.get_command_buffer()")
+    after = block[block.index("});"):]
+    assert re.match(r"\}\);\s*if \(other_stream\) \{\s*throw std::runtime_error\(", after)

@@ -11,8 +11,8 @@ import torch
 
 import mps_fused_adam as mfa
 from conftest import DTYPE_PAIRS, pair_id, require_mps
-from mps_fused_adam.contract import AdamHyper
-from mps_fused_adam.reference import reference_adam_
+from mps_fused_adam.numerics.contract import AdamHyper
+from mps_fused_adam.numerics.reference import reference_adam_
 
 
 @pytest.fixture(autouse=True)
@@ -29,7 +29,7 @@ def within_contract(ours: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("tier", [0, 1, 2])
 @pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=pair_id)
 def test_each_metal_tier_on_device(tier, pair):
-    from mps_fused_adam.mps_backends import mps_tiers
+    from mps_fused_adam.backends.mps import mps_tiers
     label, make = mps_tiers()[tier]
     try:
         backend = make()

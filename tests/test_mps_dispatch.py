@@ -1,4 +1,4 @@
-"""The Python dispatch of MPS tiers 1-3 (mps_backends.py), end to end on CPU tensors.
+"""The Python dispatch of MPS tiers 1-3 (backends/mps.py), end to end on CPU tensors.
 
 The stand-ins of tests/emulated_mps.py take the place of the ``_metal`` extension and of torch's
 ShaderLibrary and run the shipped kernel source through the host emulator, so argument packing,
@@ -17,11 +17,9 @@ import torch
 from conftest import choose_backend_afresh
 from emulated_mps import METAL_SOURCE, FakeMetalExt, FakeMpsApi, make_backend
 from mps_fused_adam import backends
-from mps_fused_adam.contract import RULES, AdamHyper, adam_scalars
-from mps_fused_adam.mps_backends import (KERNELS, MAX_THREADS_PER_DISPATCH, METALLIB_NAME,
-                                         ShaderLibraryBackend, dispatch_plan, find_metal_source,
-                                         mps_tiers, pack_params, params_as_words)
-from mps_fused_adam.reference import reference_adam_
+from mps_fused_adam.numerics.contract import RULES, AdamHyper, adam_scalars
+from mps_fused_adam.backends.mps import (KERNELS, MAX_THREADS_PER_DISPATCH, METALLIB_NAME, ShaderLibraryBackend, dispatch_plan, find_metal_source, mps_tiers, pack_params, params_as_words)
+from mps_fused_adam.numerics.reference import reference_adam_
 
 PAIRS = [(p, s) for rule, p, s in KERNELS if rule == "adam"]
 PAIR_IDS = [KERNELS[("adam", *p)].removeprefix("fused_adam_") for p in PAIRS]
@@ -205,6 +203,13 @@ def test_fallback_when_metallib_missing(emu, pkg):
                                       package_dir=pkg, probe_device="cpu"))
     assert backend.name == "compile_shader"
     assert len(msgs) == 2 and all("metallib missing" in m for m in msgs)
+    # What a source build on a Mac without the Metal toolchain gets (cmake/apple_metal.cmake builds
+    # _metal but no metallib): each refusal, as backend_info()'s "unavailable" lists it, names the
+    # cause and the fix.
+    for m in msgs:
+        assert f"{pkg / METALLIB_NAME} (a source build without the Metal toolchain has none" in m
+        assert "tier 3 compiles the bundled .metal source instead" in m
+        assert "xcodebuild -downloadComponent MetalToolchain" in m
 
 
 def test_fallback_to_foreach(emu, pkg):
@@ -289,7 +294,7 @@ def test_torch_mps_api_is_what_tiers_2_and_3_call():
 
 
 def test_bundled_source_is_found():
-    from mps_fused_adam import mps_backends
+    from mps_fused_adam.backends import mps as mps_backends
     found = find_metal_source(mps_backends._package_dir())
     assert found.read_text() == METAL_SOURCE.read_text()
 
@@ -298,7 +303,7 @@ def test_fast_math_note_per_tier():
     """What PYTORCH_MPS_FAST_MATH can change: nothing for the prebuilt metallib (tiers 1 and 2);
     for tier 3, which torch compiles, NaN/Inf handling and subnormals (sqrt and division stay
     precise); nothing of ours for foreach."""
-    from mps_fused_adam.mps_backends import fast_math_note
+    from mps_fused_adam.backends.mps import fast_math_note
     for name in ("metal", "load_metallib"):
         for env in ({}, {"PYTORCH_MPS_FAST_MATH": "1"}):
             assert fast_math_note(name, env).startswith("not applicable: prebuilt metallib")

@@ -9,8 +9,8 @@ import torch
 
 import mps_fused_adam as mfa
 from conftest import public_optimizer_names
-from mps_fused_adam.contract import AdamHyper
-from mps_fused_adam.reference import reference_adam_
+from mps_fused_adam.numerics.contract import AdamHyper
+from mps_fused_adam.numerics.reference import reference_adam_
 
 
 def make_model(dtype=torch.float32):
@@ -381,7 +381,7 @@ def test_load_state_dict_runs_torchs_hooks_in_torchs_order():
     assert results[mfa.AdamW][0] == ["pre", "post"] and results[mfa.AdamW][1][0] == (0.0, 1.0)
 
 
-# The classes of one step path (optim.py), each with constructor options it keeps as attributes;
+# The classes of one step path (optimizers/fused.py), each with constructor options it keeps as attributes;
 # the 8-bit classes have their own tests (test_lowbit_optim.py).
 DEEPCOPY_CASES = {
     "CPUAdam": lambda ps: mfa.CPUAdam(ps, lr=1e-2, fp32_optimizer_states=False),
@@ -394,9 +394,9 @@ DEEPCOPY_CASES = {
 
 
 def test_every_fused_optimizer_class_is_deep_copied():
-    """Every public class of optim.py's shared step path (a new rule's too) is in DEEPCOPY_CASES,
+    """Every public class of optimizers/fused.py's shared step path (a new rule's too) is in DEEPCOPY_CASES,
     except Adam, which AdamW covers (same class body, another default)."""
-    from mps_fused_adam.optim import _FusedOptimizer
+    from mps_fused_adam.optimizers.fused import _FusedOptimizer
     fused = [n for n in public_optimizer_names() if issubclass(getattr(mfa, n), _FusedOptimizer)]
     assert sorted([*DEEPCOPY_CASES, "Adam"]) == fused
 

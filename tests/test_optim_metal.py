@@ -10,8 +10,8 @@ import torch
 import mps_fused_adam as mfa
 from emulated_mps import FakeMetalExt, make_backend
 from mps_fused_adam import backends
-from mps_fused_adam.contract import AdamHyper
-from mps_fused_adam.reference import reference_adam_
+from mps_fused_adam.numerics.contract import AdamHyper
+from mps_fused_adam.numerics.reference import reference_adam_
 
 
 @pytest.fixture(params=[1, 2, 3], ids=["tier1-_metal", "tier2-load_metallib", "tier3-compile_shader"])
@@ -93,8 +93,8 @@ def test_bad_input_rejected_before_anything_is_encoded(metal_backend):
 def test_bf16_stochastic_rounding_through_metal_tier_matches_reference(metal_backend, emu, cls):
     """bf16_stochastic_round on a Metal tier: fused_adam_sr_bfloat_* once per bf16 tensor (each
     has its own key), bit for bit the reference; other dtypes of the group keep the Adam kernel."""
-    from mps_fused_adam import lowbit
-    from mps_fused_adam.reference_lowbit import reference_adam_sr_
+    from mps_fused_adam.numerics import lowbit
+    from mps_fused_adam.numerics.reference_lowbit import reference_adam_sr_
     backend, ext = metal_backend
     gen = torch.Generator().manual_seed(8)
     params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(d))
@@ -126,8 +126,8 @@ def test_bf16_stochastic_rounding_through_metal_tier_matches_reference(metal_bac
 def test_adamw8bit_through_metal_tier_matches_reference(metal_backend, emu, sr):
     """AdamW8bit on a Metal tier: fused_adam8bit_*_uchar per 8-bit tensor (one dispatch each),
     the Adam kernels for a tensor under min_8bit_size; bit for bit the references."""
-    from mps_fused_adam import lowbit
-    from mps_fused_adam.reference_lowbit import reference_adam8bit_, reference_adam_sr_
+    from mps_fused_adam.numerics import lowbit
+    from mps_fused_adam.numerics.reference_lowbit import reference_adam8bit_, reference_adam_sr_
     gen = torch.Generator().manual_seed(9)
     shapes = (((64, 80), torch.bfloat16), ((4097,), torch.float32), ((300,), torch.float16), ((7,), torch.bfloat16))
     params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(d)) for s, d in shapes]
@@ -172,7 +172,7 @@ def test_adamw8bit_through_metal_tier_matches_reference(metal_backend, emu, sr):
 def test_selfcheck_of_lowbit_rules_on_each_tier(metal_backend):
     """``python -m mps_fused_adam``'s low-bit self-check on a Metal tier (here its emulation):
     8-bit Adam and bf16 stochastic rounding, bit for bit the references."""
-    from mps_fused_adam.selfcheck import _metal_lowbit, check_lowbit
+    from mps_fused_adam.tools.selfcheck import _metal_lowbit, check_lowbit
     backend, _ = metal_backend
     results = list(check_lowbit(*_metal_lowbit(backend), "cpu", "tier", n=600))
     assert [r.dtypes for r in results] == ["adam8bit float32/uint8", "adam8bit float16/uint8", "adam8bit bfloat16/uint8",

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import mps_fused_adam as mfa
-from mps_fused_adam.contract import AdagradHyper, LionHyper
-from mps_fused_adam.reference import reference_adagrad_, reference_lion_
+from mps_fused_adam.numerics.contract import AdagradHyper, LionHyper
+from mps_fused_adam.numerics.reference import reference_adagrad_, reference_lion_
 
 from test_optim import assert_params_close, make_model, train
 from test_rules_contract import lion_pytorch_or_skip

@@ -1,32 +1,15 @@
-"""The README's quick-start examples run as written, and its set-up commands are the ones CI runs."""
+"""The README's set-up commands are the ones CI runs, and the README and docs say what the code does.
+
+The README's and the docs' Python blocks run in tests/test_doc_blocks.py."""
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-
-
-def quick_start_blocks() -> list[str]:
-    text = README.read_text(encoding="utf-8")
-    section = text[text.index("## Quick start"):text.index("## API")]
-    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
-
-
-def test_quick_start_has_examples():
-    assert len(quick_start_blocks()) >= 2
-
-
-@pytest.mark.parametrize("index", range(2))
-def test_quick_start_example_runs(index):
-    code = quick_start_blocks()[index]
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
 
 
 def _readme_setup():
@@ -66,15 +49,34 @@ def test_setup_installs_what_the_tests_need():
     test_extra = {re.split(r"[=<>!~\[]", name)[0].lower() for name in re.findall(r'"([^"]+)"', extra)}
     assert test_extra and test_extra <= installed, f"the test extra {test_extra} is not all installed by {installed}"
     tests = Path(__file__).resolve().parent
-    local = {f.stem for f in tests.rglob("*.py")} | {d.name for d in tests.iterdir() if d.is_dir()}
+    by_stem = {f.stem: f for f in tests.rglob("*.py")}
+    local = set(by_stem) | {d.name for d in tests.iterdir() if d.is_dir()}
     known = set(sys.stdlib_module_names) | {"torch", "pytest", "_pytest", "mps_fused_adam"} | local | installed
-    undeclared = set()
-    for f in tests.rglob("*.py"):
+
+    def module_level_imports(f: Path) -> list[str]:
+        names = []
         for node in ast.parse(f.read_text(encoding="utf-8")).body:
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
-            undeclared |= {f"{f.name}: {n}" for n in names if n.split(".")[0] not in known}
-    assert not undeclared
+        return names
+
+    # What collection imports: the test modules and conftest.py, and the helper modules of tests/
+    # they import at module level, transitively. A helper imported only inside a test (the
+    # Apple-only pyobjc driver, say) is that test's business: it cannot stop collection.
+    todo = [f for f in tests.rglob("*.py") if f.name.startswith("test_") or f.name == "conftest.py"]
+    seen, undeclared = set(), set()
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        for n in module_level_imports(f):
+            top = n.split(".")[0]
+            if top not in known:
+                undeclared.add(f"{f.name}: {n}")
+            elif top in by_stem:
+                todo.append(by_stem[top])
+    assert len(seen) > 40 and not undeclared, undeclared
 
 
 def test_optional_tools_table_matches_the_tests():
@@ -98,12 +100,27 @@ def test_optional_tools_table_matches_the_tests():
 
 def test_cli_options_are_documented():
     from mps_fused_adam.__main__ import build_parser
-    text = README.read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
     options = [o for a in build_parser()._actions for o in a.option_strings if o.startswith("--") and o != "--help"]
     assert {"--no-bench", "--check", "--json", "--version"} <= set(options)
     for option in options:
         if option != "--self-check-only":  # the long alias of --check
             assert f"`{option}`" in text, option
+
+
+def test_readme_shape():
+    """What issue 30 asks of the README: at most 400 lines; how to replace torch.optim.AdamW within
+    the first 60; the CPU-torch note before the set-up commands it is about; links into the docs
+    that exist."""
+    text = README.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    assert len(lines) <= 400, len(lines)
+    head = "\n".join(lines[:60])
+    assert "torch.optim.AdamW" in head and "mfa.AdamW(" in head
+    setup = _readme_setup().setup_section(text)
+    assert 0 <= setup.index("download.pytorch.org/whl/cpu") < setup.index("```bash"), "the CPU-torch note must come first"
+    for target in re.findall(r"\]\((docs/[^)#]+)", text):
+        assert (ROOT / target).is_file(), target
 
 
 def test_compiler_advice_is_the_same_in_readme_and_cmake():

@@ -16,8 +16,8 @@ import struct
 import pytest
 import torch
 
-from mps_fused_adam.contract import RULES, AdagradHyper, LionHyper, adagrad_scalars, lion_scalars
-from mps_fused_adam.reference import lion_sign, reference_adagrad_, reference_lion_
+from mps_fused_adam.numerics.contract import RULES, AdagradHyper, LionHyper, adagrad_scalars, lion_scalars
+from mps_fused_adam.numerics.reference import lion_sign, reference_adagrad_, reference_lion_
 
 ULP = torch.finfo(torch.float32).eps
 
@@ -57,8 +57,9 @@ def test_rule_is_registered_everywhere(rule):
     them): a forgotten registration fails here by name instead of going untested."""
     import importlib
     import mps_fused_adam as mfa
-    from mps_fused_adam import _cpu, backends, selfcheck
-    from mps_fused_adam.reference import REFERENCES
+    from mps_fused_adam import _cpu, backends
+    from mps_fused_adam.tools import selfcheck
+    from mps_fused_adam.numerics.reference import REFERENCES
     spec = RULES[rule]
     assert rule in REFERENCES, f"{rule}: no reference in reference.REFERENCES"
     assert rule in backends.ForeachBackend.RULES, f"{rule}: no foreach form in backends.ForeachBackend.RULES"

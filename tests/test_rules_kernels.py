@@ -13,8 +13,8 @@ import torch
 
 from mps_fused_adam import _cpu
 from mps_fused_adam.backends import CPUBackend, ForeachBackend
-from mps_fused_adam.contract import RULES, LionHyper, example
-from mps_fused_adam.reference import reference_step_
+from mps_fused_adam.numerics.contract import RULES, LionHyper, example
+from mps_fused_adam.numerics.reference import reference_step_
 
 from conftest import DTYPE_PAIRS, pair_id
 
@@ -222,7 +222,7 @@ def test_metal_group_size_and_order_do_not_matter(emu, rule, group):
 def test_metal_one_state_shape_indices_past_2_pow_32(emu, rule):
     """The one-state kernel shape binds base and n at buffers 4 and 5; a dispatch whose base is past
     2^32 must index with 64 bits (see test_metal_emulator.test_indices_past_2_pow_32)."""
-    from mps_fused_adam.mps_backends import KERNELS
+    from mps_fused_adam.backends.mps import KERNELS
     base = (1 << 32) + (1 << 30)
     count = 4099
     tensors = make(rule, count, torch.float16, torch.float32, seed=9)
@@ -239,7 +239,7 @@ def test_metal_one_state_shape_indices_past_2_pow_32(emu, rule):
 @pytest.mark.parametrize("rule", RULE_NAMES)
 @pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=pair_id)
 def test_mps_tiers_1_to_3_match_reference(emu, pkg, rule, pair):
-    """The three MPS tiers' dispatch code (mps_backends.py), its Apple pieces replaced by stand-ins
+    """The three MPS tiers' dispatch code (backends/mps.py), its Apple pieces replaced by stand-ins
     that run the shipped kernels (tests/emulated_mps.py), on params at odd storage offsets."""
     from emulated_mps import make_backend
     flat = make(rule, 5000, *pair, seed=1)
@@ -295,7 +295,7 @@ def test_optimizer_classes_through_metal_tiers(monkeypatch, emu, pkg, tier):
 def test_selfcheck_covers_every_rule():
     """``python -m mps_fused_adam``'s self-check runs every rule of contract.RULES on a backend
     (on a Mac: each Metal tier, against the contract's bound); on CPU all are bit for bit."""
-    from mps_fused_adam.selfcheck import check_backend
+    from mps_fused_adam.tools.selfcheck import check_backend
     results = list(check_backend(CPUBackend(), "cpu", "_cpu", n=257))
     assert len(results) == 5 * len(RULES)
     assert {r.dtypes.split()[0] for r in results if " " in r.dtypes} == set(RULES) - {"adam"}

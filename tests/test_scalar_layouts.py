@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from emulated_mps import METAL_SOURCE, find_compiler
-from mps_fused_adam import lowbit
-from mps_fused_adam.contract import RULES, AdamScalars
-from mps_fused_adam.mps_backends import KERNELS, METAL_RULES
+from mps_fused_adam.numerics import lowbit
+from mps_fused_adam.numerics.contract import RULES, AdamScalars
+from mps_fused_adam.backends.mps import KERNELS, METAL_RULES
 
 REPO = Path(__file__).resolve().parent.parent
 ADAM_TYPES = REPO / "src" / "cpu" / "adam_types.h"

@@ -20,7 +20,8 @@ import torch
 
 import mps_fused_adam as mfa
 from conftest import cannot_run, public_optimizer_names
-from mps_fused_adam import backends, in_backward
+from mps_fused_adam import backends
+from mps_fused_adam.optimizers import in_backward
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -276,7 +277,7 @@ def test_closure_is_refused_with_why():
 
 @pytest.mark.parametrize("cls", [mfa.AdamW, mfa.AdamW8bit, mfa.Lion])
 def test_what_cannot_be_hooked_is_refused_at_construction_and_add_param_group(cls, monkeypatch):
-    from mps_fused_adam import dtensor
+    from mps_fused_adam.optimizers import dtensor
     p = torch.nn.Parameter(torch.randn(4, 4))
     zero3 = torch.nn.Parameter(torch.randn(4))
     zero3.ds_id = 0

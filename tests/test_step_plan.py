@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import mps_fused_adam as mfa
-from mps_fused_adam import step_plan
-from mps_fused_adam.contract import AdamHyper
-from mps_fused_adam.reference import reference_adam_
+from mps_fused_adam.optimizers import step_plan
+from mps_fused_adam.numerics.contract import AdamHyper
+from mps_fused_adam.numerics.reference import reference_adam_
 
 LR, WD = 1e-2, 1e-2
 
@@ -449,7 +449,7 @@ def test_mps_buffers_match_mps_buffer():
     """Tier 1's quick buffer triples are mps_buffer's, for views at an offset, with addresses from a
     plan's list or read afresh, and for an empty tensor."""
     from mps_fused_adam.backends import Addressed
-    from mps_fused_adam.mps_backends import mps_buffer, mps_buffers
+    from mps_fused_adam.backends.mps import mps_buffer, mps_buffers
     base = torch.randn(64).bfloat16()
     tensors = [base[10:30], base[3:7], torch.randn(5).bfloat16(), base.view(8, 8)[2:4], base[5:5]]
     expected = [mps_buffer(t) for t in tensors]

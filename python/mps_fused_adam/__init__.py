@@ -9,8 +9,8 @@ from ._version import __version__
 
 # The submodule of each public name, imported on first use (PEP 562): `python -m mps_fused_adam
 # --help` runs this file first and must answer without importing torch (a second or more).
-_PUBLIC = {"Adagrad": "optim", "Adam": "optim", "Adam8bit": "optim8bit", "AdamW": "optim", "AdamW8bit": "optim8bit", "CPUAdam": "optim", "FusedAdam": "optim",
-           "FusedLion": "optim", "Lion": "optim", "backend_info": "backends"}
+_PUBLIC = {"Adagrad": "optimizers.fused", "Adam": "optimizers.fused", "Adam8bit": "optimizers.eight_bit", "AdamW": "optimizers.fused", "AdamW8bit": "optimizers.eight_bit", "CPUAdam": "optimizers.fused", "FusedAdam": "optimizers.fused",
+           "FusedLion": "optimizers.fused", "Lion": "optimizers.fused", "backend_info": "backends"}
 
 __all__ = [*_PUBLIC, "__version__"]
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
+import statistics
 import sys
 import warnings
 from typing import Any, Optional
@@ -72,7 +74,7 @@ def print_environment(env: dict[str, Any]) -> None:
 
 def self_check(echo: bool) -> list[dict[str, Any]]:
     """Every available backend against the reference; printed line by line as it runs if ``echo``."""
-    from .selfcheck import UPDATE_BOUND, CheckResult, all_checks
+    from .tools.selfcheck import UPDATE_BOUND, CheckResult, all_checks
     if echo:
         print("Self-check against the reference (on CPU: bit for bit; elsewhere within 8 eps x max|ref| "
               f"and {UPDATE_BOUND:g} of each tensor's movement):")
@@ -105,10 +107,12 @@ def benchmark(echo: bool, notes: Optional[list[str]] = None) -> list[dict[str, A
 
     import torch
 
-    from . import bench
+    from .tools import bench
     if echo:
         print("Short benchmark (python -m mps_fused_adam.bench for the full one):")
         print(bench.spread_note(bench.QUICK["repeats"]))
+        if bench.floor_available():
+            print(bench.QUICK_SIZE_NOTE)
     if bench.QUICK["repeats"] < 4:
         notes.append(bench.spread_note(bench.QUICK["repeats"]))
     if not bench.floor_available():
@@ -119,7 +123,7 @@ def benchmark(echo: bool, notes: Optional[list[str]] = None) -> list[dict[str, A
         print(bench.HEADER)
         print("|---|---|---|---|---|---|---|---|")
     rows = bench.cpu_section(thread_counts=[torch.get_num_threads()], deepspeed=False, echo=echo, **bench.QUICK)
-    note = bench.noise_note(rows)
+    note = bench.noise_note(rows, bench.QUICK["repeats"])
     if note:
         notes.append(note)
         if echo:
@@ -140,6 +144,19 @@ def _json_safe(value: Any) -> Any:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """The command; returns its exit status (also the console script ``mps-fused-adam``)."""
+    try:
+        status = _main(argv)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit flush
+        return status
+    except BrokenPipeError:
+        # The reader went away (python -m mps_fused_adam | head): not a failure of the checks.
+        # Later writes, the exit flush included, go to /dev/null instead of raising again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+
+
+def _main(argv: Optional[list[str]]) -> int:
     args = build_parser().parse_args(argv)
     report: dict[str, Any] = {}
     # Warnings (an MPS_FUSED_ADAM_SIMD path this CPU lacks, a tier that did not load) go to stderr
@@ -150,10 +167,42 @@ def main(argv: Optional[list[str]] = None) -> int:
         warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     if caught:
         report["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
+    report["summary"] = summary(report)
     if args.json:
         json.dump(_json_safe(report), sys.stdout, indent=1, allow_nan=False)
         print()
+    else:
+        print(f"\n{report['summary']['line']}")
     return EXIT_CHECK_FAILED if failed else EXIT_OK
+
+
+def summary(report: dict[str, Any]) -> dict[str, Any]:
+    """The run in one line: checks passed per backend, and the benchmark's headline, ours against
+    torch fused as the median over the benchmark's cases with their range."""
+    per_backend: dict[str, list[int]] = {}
+    for r in report.get("self_check", []):
+        counts = per_backend.setdefault(r["backend"], [0, 0])
+        counts[0] += bool(r["passed"])
+        counts[1] += 1
+    agreement = report.get("torch_agreement")
+    passed = sum(c[0] for c in per_backend.values()) + bool(agreement and agreement["passed"])
+    total = sum(c[1] for c in per_backend.values()) + (agreement is not None)
+    checks = ", ".join(f"{name} {p}/{n}" for name, (p, n) in per_backend.items())
+    line = f"summary: {passed}/{total} checks passed ({checks}" + (
+        f", reference vs torch.optim.AdamW {'ok' if agreement['passed'] else 'FAILED'})" if agreement else ")")
+    out: dict[str, Any] = {"checks_passed": passed, "checks": total,
+                           "per_backend": {k: {"passed": p, "checks": n} for k, (p, n) in per_backend.items()}}
+    ratios = sorted(r["vs_torch_fused"] for r in report.get("benchmark", [])
+                    if r["contender"] == "ours" and r["vs_torch_fused"] is not None)
+    if ratios:
+        out["vs_torch_fused"] = {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1],
+                                 "cases": len(ratios)}
+        line += (f"; speed vs torch fused {out['vs_torch_fused']['median']:.2f}x (median of {len(ratios)} cases, "
+                 f"{ratios[0]:.2f}x to {ratios[-1]:.2f}x)")
+    elif "benchmark" in report:
+        line += "; benchmark: no torch fused to compare with"
+    out["line"] = line
+    return out
 
 
 def _run(args: argparse.Namespace, report: dict[str, Any]) -> int:
@@ -167,7 +216,7 @@ def _run(args: argparse.Namespace, report: dict[str, Any]) -> int:
     report["self_check"] = self_check(echo=text)
     failed = sum(not r["passed"] for r in report["self_check"])
     if not args.check_only:
-        from .selfcheck import torch_agreement
+        from .tools.selfcheck import torch_agreement
         a = report["torch_agreement"] = torch_agreement()
         failed += not a["passed"]
         if text:

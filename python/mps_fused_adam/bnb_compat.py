@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from . import lowbit
+from .numerics import lowbit
 
 BNB_WRAP_KEY = "__bnb_optimizer_quant_state__"
 _GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "params")

@@ -1,4 +1,4 @@
-// 8-bit block-wise Adam (contract: python/mps_fused_adam/lowbit.py, reference_lowbit.py) on the
+// 8-bit block-wise Adam (contract: python/mps_fused_adam/numerics/lowbit.py, reference_lowbit.py) on the
 // CPU, optionally with bf16 stochastic rounding of the parameter: the driver. The block math is
 // adam8bit_kernel.h, built per SIMD path like the span loop and chosen with it (dispatch.h).
 //

@@ -25,7 +25,7 @@ inline F dequant(const uint8_t* c, const float* values, F scale) {
 #if defined(__AVX512VBMI__)
 // A whole block's codes through the map, 64 at a time: each byte of the code values comes from
 // two 128-entry byte permutes chosen by index bit 7 (Q8Map::bytes), and unpacking the four byte
-// planes yields the values. A gather per 16 codes cost more: benchmarks/diag_q8_dequant.py.
+// planes yields the values. A gather per 16 codes cost more: diag_q8_dequant.py, docs/experiments.md.
 constexpr bool kBlockDequant = true;
 inline void dequant_block(const uint8_t* c, const Q8Map& map, float scale, float* out) {
   // Unpacking works within 128-bit lanes: byte 16L+4q+j (L, q, j < 4) of the index vector takes

@@ -78,7 +78,7 @@ template <> struct ParamStorage<bf16sr> {
   // key's half is computed once per call and the rest is one three-way xor (vpternlogd). In the
   // bf16 Adam step at 1 thread, this and the masked add below took stochastic rounding from +24%
   // to +26% over round to nearest to +17% to +20% on the EPYC, from memory
-  // (benchmarks/diag_sr_hash.cpp, sr_hash_2core.txt).
+  // (diag_sr_hash.cpp, docs/experiments.md, sr_hash_2core.txt).
   static inline __m512i folded_key(uint32_t k) { return _mm512_set1_epi32(int(k ^ (k >> 16))); }
   static inline __m512i fmix_keyed(__m512i folded, __m512i b) {
     return fmix_rest(_mm512_ternarylogic_epi32(folded, b, _mm512_srli_epi32(b, 16), 0x96));

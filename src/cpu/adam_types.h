@@ -17,12 +17,12 @@ void set_prefetch_bytes(int bytes);  // 0 to 65536, or -1 for the per-vendor cho
 int far_prefetch_bytes(int param_size, int state_size);
 void set_far_prefetch_bytes(int bytes);  // 0 to 1 << 20, or -1 for the per-vendor choice; else throws
 // Whether the x86 span loops take bf16 params and states as even and odd lanes (adam_kernel.h);
-// on by default. Off only to measure the difference in one process (benchmarks/diag_bf16_pairs.py).
+// on by default. Off only to measure the difference in one process (diag_bf16_pairs.py, docs/experiments.md).
 bool bf16_pairs();
 void set_bf16_pairs(bool on);
 // Whether the 8-bit kernel dequantizes a block by byte permutes where the build has them
 // (AVX512_VBMI), instead of a gather per vector; on by default. Off only to measure the difference
-// in one process (benchmarks/diag_q8_dequant.py).
+// in one process (diag_q8_dequant.py, docs/experiments.md).
 bool q8_permute_dequant();
 void set_q8_permute_dequant(bool on);
 

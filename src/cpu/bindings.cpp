@@ -216,13 +216,13 @@ NB_MODULE(_cpu, m) {
         "Whether the x86 kernels take bf16 params and states as even and odd lanes (the default).");
   m.def("set_bf16_pairs", [](bool on) { set_bf16_pairs(on); }, nb::arg("on"),
         "Turn the bf16 even/odd-lane loads off or on again; no bit changes, only the speed\n"
-        "(benchmarks/diag_bf16_pairs.py measures both in one process).");
+        "(measured both ways in one process: diag_bf16_pairs.py, docs/experiments.md).");
   m.def("q8_permute_dequant", [] { return q8_permute_dequant(); },
         "Whether the 8-bit kernel dequantizes blocks by byte permutes where the SIMD path has them\n"
         "(AVX512_VBMI: the avx512bf16 path; the default), not by a gather per vector.");
   m.def("set_q8_permute_dequant", [](bool on) { set_q8_permute_dequant(on); }, nb::arg("on"),
         "Turn the 8-bit kernel's permute dequantization off or on again; no bit changes, only the\n"
-        "speed (benchmarks/diag_q8_dequant.py measures both in one process).");
+        "speed (measured both ways in one process: diag_q8_dequant.py, docs/experiments.md).");
   register_adam8bit(m);
   register_step_plan(m);
   m.def("pool_size", [] { return ThreadPool::instance().size(); }, "Threads in the pool, the caller included.");

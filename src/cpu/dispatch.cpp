@@ -61,7 +61,7 @@ const IsaTable& active_isa() {
 }
 
 // Software prefetch, measured per vendor with every distance in one process
-// (benchmarks/diag_prefetch.py, prefetch_*.txt): on the 16-core Intel Xeon 512 to 2048 bytes ahead
+// (diag_prefetch.py, docs/experiments.md, prefetch_*.txt): on the 16-core Intel Xeon 512 to 2048 bytes ahead
 // beat none in every case (1 KiB kept); on the 2-core AMD EPYC (Zen 4) none was best with fp32
 // params (the prefetches only take load slots there), and 512 bytes with 2-byte params (bf16 and
 // fp32 states about even, bf16 states 15% faster at 1 thread). Elsewhere (Apple Silicon
@@ -109,7 +109,7 @@ void set_prefetch_bytes(int bytes) {
 }
 
 // The far prefetch, measured on the 16-core Intel Xeon in one process against the near one alone
-// (benchmarks/diag_far_prefetch.py, far_prefetch_xeon16.txt): 8 times the near distance ahead, into
+// (diag_far_prefetch.py, docs/experiments.md, far_prefetch_xeon16.txt): 8 times the near distance ahead, into
 // L2, made the cases with fp32 states 3 to 20% faster at 1, 4 and 16 threads (Adam fp32 and bf16
 // params with fp32 states, Lion and Adagrad fp32), and mostly their trivial-math floor too; with bf16
 // states it moved between -5% and +7%, so they keep the near prefetch alone. Intel x86 only: on

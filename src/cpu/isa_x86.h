@@ -80,7 +80,7 @@ struct Vec {
   // lr * sign(x) for an lr whose sign bit is clear, in the same bits: lr with x's sign bit where
   // x is neither zero nor NaN (one vpternlogd), else x - x (+0 = lr * +0; NaN): 3 operations
   // instead of sign()'s 5 and a multiply (Lion in bf16 at 16 threads on the Xeon: 0.94 to 1.00 of
-  // the floor against 0.92 to 0.98 with the product, benchmarks/rule_math_xeon16.txt).
+  // the floor against 0.92 to 0.98 with the product, rule_math_xeon16.txt in commit 9f0d440, docs/experiments.md).
   static F signed_lr(F lr, F x) {
     const __m512i bits = _mm512_ternarylogic_epi32(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN),
                                                    _mm512_castps_si512(lr), 0x6A);  // (x & sign) ^ lr

@@ -1,4 +1,4 @@
-// The per-step checks of the optimizer's cached step plans (python/mps_fused_adam/step_plan.py).
+// The per-step checks of the optimizer's cached step plans (python/mps_fused_adam/optimizers/step_plan.py).
 //
 // A plan remembers, for every parameter of a group, what its step looked like when the full
 // validation last passed: the param object and its dtype, shape, device and address; its state

@@ -1,5 +1,5 @@
 // A persistent worker pool with no OpenMP runtime: torch ships its own libomp on macOS and a
-// second OpenMP runtime in the process aborts (the README's "The CPU kernel").
+// second OpenMP runtime in the process aborts (docs/cpu-kernel.md).
 #pragma once
 #include <condition_variable>
 #include <cstdint>

@@ -3,8 +3,9 @@
 // kernels' pipelines once. step(kernel_name, tensors, scalars) encodes a group into one compute
 // encoder on PyTorch's command buffer, on PyTorch's queue, without waiting for the GPU: tensors =
 // [params, grads, state lists...], each tensor a (MTLBuffer handle, byte offset, numel) triple;
-// list k binds to buffer k, then the scalar blob (the rule's struct), base and n. Caller:
-// mps_backends.py; stand-in: tests/emulated_mps.py. Untested on Apple hardware (checks:
+// list k binds to buffer k, then the scalar blob (the rule's struct), base and n. Stream: torch's
+// default up to 2.14, the caller's current from 2.15 (HOOKS_CURRENT_STREAM_MIN_TORCH). Caller:
+// backends/mps.py; stand-in: tests/emulated_mps.py. Untested on Apple hardware (checks:
 // tests/test_apple_artifacts.py).
 #import <Foundation/Foundation.h>
 #import <Metal/Metal.h>
@@ -29,17 +30,16 @@ namespace nb = nanobind;
 namespace {
 
 // torch/mps.h (2.13): MTLCommandBuffer_t (= id<MTLCommandBuffer>) get_command_buffer(),
-// DispatchQueue_t (= dispatch_queue_t) get_dispatch_queue(), void commit(). No torch at build
-// time: they are looked up by their version-free C++ names in the libtorch `import torch` loaded.
+// DispatchQueue_t (= dispatch_queue_t) get_dispatch_queue() (not commit(): see step()). No torch
+// at build time: looked up by their version-free C++ names in the libtorch `import torch` loaded.
 struct TorchMps {
   id<MTLCommandBuffer> (*get_command_buffer)();
   dispatch_queue_t (*get_dispatch_queue)();
-  void (*commit)();
 };
 TorchMps g_torch;
 
 constexpr uint64_t kElemsPerThread = 4;
-constexpr uint64_t kMaxThreadsPerDispatch = uint64_t(1) << 30;  // see mps_backends.py
+constexpr uint64_t kMaxThreadsPerDispatch = uint64_t(1) << 30;  // see backends/mps.py
 constexpr NSUInteger kGroupSize = 256;
 constexpr size_t kMaxLists = 8;        // param, grad and up to 6 states
 constexpr size_t kMaxScalarBytes = 4096;  // setBytes' limit
@@ -99,7 +99,6 @@ void load(const std::string& path, const std::vector<std::string>& kernel_names)
       libtorch, "_ZN5torch3mps18get_command_bufferEv");
   g_torch.get_dispatch_queue = torch_symbol<dispatch_queue_t (*)()>(
       libtorch, "_ZN5torch3mps18get_dispatch_queueEv");
-  g_torch.commit = torch_symbol<void (*)()>(libtorch, "_ZN5torch3mps6commitEv");
   @autoreleasepool {
     // PyTorch's own device (it picks among MTLCopyAllDevices; MTLCreateSystemDefaultDevice may be
     // nil without CoreGraphics): that of its command buffer, read on its queue.
@@ -180,8 +179,13 @@ void step(const std::string& kernel_name, nb::list tensors, nb::bytes scalars) {
   const NSUInteger hp_len = blob.size();
   const NSUInteger group = std::min<NSUInteger>(kGroupSize, pso.maxTotalThreadsPerThreadgroup);
   nb::gil_scoped_release no_gil;
-  dispatch_sync(g_torch.get_dispatch_queue(), ^{
+  dispatch_queue_t queue = g_torch.get_dispatch_queue();  // this thread's stream (torch >= 2.15)
+  __block bool other_stream = false;
+  dispatch_sync(queue, ^{
     @autoreleasepool {
+      // torch >= 2.15: a thread-local stream, and get_command_buffer() aborts off its queue; were
+      // this block run on another thread (another stream), encode nothing and say so below.
+      if ((other_stream = g_torch.get_dispatch_queue() != queue)) return;
       // Inside the queue: get_command_buffer() first closes PyTorch's own open encoder.
       id<MTLComputeCommandEncoder> encoder = [g_torch.get_command_buffer() computeCommandEncoder];
       [encoder setComputePipelineState:pso];
@@ -203,9 +207,15 @@ void step(const std::string& kernel_name, nb::list tensors, nb::bytes scalars) {
         }
       }
       [encoder endEncoding];
-      g_torch.commit();  // submit without waiting, as PyTorch's custom-kernel example does
+      // No commit, as PyTorch's own fused Adam: PyTorch commits its buffer at its next sync point,
+      // and later work on the stream is ordered after ours; a commit adds no ordering, only a
+      // command buffer per group (docs/torch-releases.md).
     }
   });
+  if (other_stream) {
+    throw std::runtime_error("mps_fused_adam._metal: PyTorch's queue ran the step on a thread of another MPS "
+                             "stream; nothing was encoded");
+  }
 }
 
 }  // namespace

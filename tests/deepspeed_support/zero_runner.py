@@ -44,15 +44,15 @@ ADAGRAD_LR, ADAGRAD_EPS = 1e-2, 1e-10
 
 
 class ReferenceLion(torch.optim.Optimizer):
-    """Lion as the package's reference states it (mps_fused_adam.reference.reference_lion_)."""
+    """Lion as the package's reference states it (mps_fused_adam.numerics.reference.reference_lion_)."""
 
     def __init__(self, params, lr, betas, weight_decay):
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
 
     @torch.no_grad()
     def step(self):
-        from mps_fused_adam.contract import LionHyper
-        from mps_fused_adam.reference import reference_lion_
+        from mps_fused_adam.numerics.contract import LionHyper
+        from mps_fused_adam.numerics.reference import reference_lion_
         for group in self.param_groups:
             hp = LionHyper(lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
                            weight_decay=group["weight_decay"])

@@ -202,7 +202,7 @@ def install(block_jit: bool = True, use_mps: bool | None = None,
         refresh_compatibility(accel)
         rebound += _apply_runtime_fixes(accel) + _state.pop("fixed", [])  # after set_accelerator
         from .spawned import patch_spawned_processes
-        patch_spawned_processes(block_jit)  # ZenFlow's and SuperOffload's optimizer processes run install() too
+        patch_spawned_processes(install, block_jit)  # ZenFlow's and SuperOffload's optimizer processes run install() too
         previous = _state.get("report", {})
         _state["report"] = report = {
             "deepspeed": deepspeed.__version__,

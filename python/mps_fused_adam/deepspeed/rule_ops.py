@@ -34,8 +34,8 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from ..backends import get_backend, update_staged
-from ..contract import AdagradHyper, LionHyper
-from .ops import _check, _count, cpu_weight_decay
+from ..numerics.contract import AdagradHyper, LionHyper
+from .op_support import _check, _count, cpu_weight_decay
 
 __all__ = ["FusedLionOp", "CPULionOp", "CPUAdagradOp", "FUSED_LION_OP", "CPU_LION_OP", "CPU_ADAGRAD_OP"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import importlib
 import threading
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 __all__ = ["TARGETS", "patch_spawned_processes", "original"]
 
@@ -35,16 +35,17 @@ def original(name: str) -> Any:
     return _original[name]
 
 
-def _entry(name: str, install_kwargs: dict, *args, **kwargs):
-    """A spawned optimizer process's target: ``install()`` here, then DeepSpeed's own body."""
-    from . import install
+def _entry(name: str, install: Callable[..., Any], install_kwargs: dict, *args, **kwargs):
+    """A spawned optimizer process's target: ``install()`` here, then DeepSpeed's own body.
+    ``install`` arrives as an argument (it pickles by reference, as a module-level function), so
+    this module does not import the package that imports it."""
     install(**install_kwargs)
     return _original[name](*args, **kwargs)
 
 
-def patch_spawned_processes(block_jit: bool) -> List[str]:
+def patch_spawned_processes(install: Callable[..., Any], block_jit: bool) -> List[str]:
     """Make every spawned optimizer process of :data:`TARGETS` that this DeepSpeed has run
-    ``install(block_jit=block_jit, use_mps=False)`` first (the processes work on CPU tensors).
+    ``install(block_jit=block_jit, use_mps=False)`` (``install`` is the package's) first (the processes work on CPU tensors).
     Returns the targets patched, as ``module.name``."""
     patched = []
     for module_name, name in TARGETS:
@@ -59,6 +60,6 @@ def patch_spawned_processes(block_jit: bool) -> List[str]:
             if isinstance(current, functools.partial) and current.func is _entry:
                 current = _original[name]
             _original[name] = current
-            setattr(module, name, functools.partial(_entry, name, {"block_jit": bool(block_jit), "use_mps": False}))
+            setattr(module, name, functools.partial(_entry, name, install, {"block_jit": bool(block_jit), "use_mps": False}))
         patched.append(f"{module_name}.{name}")
     return patched

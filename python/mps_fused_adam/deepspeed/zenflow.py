@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from ..contract import AdamHyper, adam_scalars
+from ..numerics.contract import AdamHyper, adam_scalars
 
 __all__ = ["ZenFlowAdam", "supported", "control_info"]
 
@@ -118,7 +118,7 @@ class ZenFlowAdam:
     def register_group(self, param: torch.Tensor, grad0: torch.Tensor, grad1: torch.Tensor, exp_avg0: torch.Tensor,
                        exp_avg1: torch.Tensor, exp_avg_sq0: torch.Tensor, exp_avg_sq1: torch.Tensor,
                        stale: Optional[torch.Tensor]) -> None:
-        from .ops import _check
+        from .op_support import _check
         _check("param", param)
         if param.device.type != "cpu":
             raise ValueError(f"ZenFlowAdam: param is on {param.device}; the ZenFlow optimizer process works on CPU "
@@ -143,7 +143,7 @@ class ZenFlowAdam:
     def run_worker(self, ctrl: int) -> None:
         """The optimizer process's loop: run each submitted step until the exit command."""
         from ..backends import get_backend
-        from .ops import _update, cpu_weight_decay
+        from .op_support import _update, cpu_weight_decay
 
         cpu = _linux_cpu()
         ctrl = int(ctrl)

@@ -1,0 +1,272 @@
+"""Kernel backends: one small interface, chosen once per device type, reported by ``backend_info()``.
+
+A backend updates lists of tensors that the optimizer has already validated, with one update
+rule of ``contract.RULES``: ``update(rule, params, grads, states, hyper)``, where ``states`` holds
+one list per state of the rule (Adam: ``[exp_avgs, exp_avg_sqs]``). Every list has the same
+length; all tensors are on one device, contiguous and non-empty; params and grads share one
+dtype, the states share one (possibly different) state dtype; all share one hyperparameter
+object of the rule. A backend never fails on such input, so a step that passed validation
+cannot leave tensors half-updated.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+import torch
+
+from ..numerics.contract import AdagradHyper, AdamHyper, LionHyper, adagrad_scalars, adam_scalars, lion_scalars
+from ..numerics.contract import rule as rule_spec
+from .addressing import Addressed, addresses, numels  # noqa: F401  (re-exported: the backends' shared input)
+
+TensorList = Sequence[torch.Tensor]
+
+
+class Backend(Protocol):
+    name: str
+
+    def update(self, rule: str, params: TensorList, grads: TensorList, states: Sequence[TensorList],
+               hp: Any) -> None: ...
+
+
+def _foreach_adam(params: TensorList, grads: TensorList, states: Sequence[TensorList], hp: AdamHyper) -> None:
+    """Adam (contract v2) in ``torch._foreach_*`` ops, each a separate fp32 op in the kernels' order."""
+    s = adam_scalars(hp)
+    exp_avgs, exp_avg_sqs = states
+    p = [t.float() for t in params]
+    g = [t.float() for t in grads]
+    m = [t.float() for t in exp_avgs]
+    v = [t.float() for t in exp_avg_sqs]
+    if s.maximize:
+        g = torch._foreach_neg(g)
+    if not s.adam_w_mode:
+        g = torch._foreach_add(g, torch._foreach_mul(p, s.weight_decay))
+    m = torch._foreach_add(torch._foreach_mul(m, s.beta1), torch._foreach_mul(g, s.one_minus_beta1))
+    v = torch._foreach_add(torch._foreach_mul(v, s.beta2), torch._foreach_mul(torch._foreach_mul(g, g), s.one_minus_beta2))
+    # A float64 sqrt rounded once (torch's fp32 sqrt is not always correctly rounded) and a
+    # division by full tensors (torch turns division by a scalar into a reciprocal multiply).
+    denom = torch._foreach_add(torch._foreach_mul([t.double().sqrt_().float() for t in v], s.d2), s.eps)
+    if s.adam_w_mode:
+        p = torch._foreach_mul(p, s.decay)
+    p = torch._foreach_sub(p, torch._foreach_mul(torch._foreach_div(m, denom), s.step_size))
+    with torch.no_grad():
+        torch._foreach_copy_(list(params), p)
+        torch._foreach_copy_(list(exp_avgs), m)
+        torch._foreach_copy_(list(exp_avg_sqs), v)
+
+
+def _sign(c: torch.Tensor) -> torch.Tensor:
+    """Lion's sign (contract.py): 1, -1, c - c (+0 for both zeros, NaN for NaN)."""
+    one = torch.ones_like(c)
+    return torch.where(c > 0, one, torch.where(c < 0, -one, c - c))
+
+
+def _foreach_lion(params: TensorList, grads: TensorList, states: Sequence[TensorList], hp: LionHyper) -> None:
+    """Lion (contract.py) in ``torch._foreach_*`` ops, each a separate fp32 op in the kernels' order."""
+    s = lion_scalars(hp)
+    (exp_avgs,) = states
+    p = [t.float() for t in params]
+    g = [t.float() for t in grads]
+    m = [t.float() for t in exp_avgs]
+    if s.maximize:
+        g = torch._foreach_neg(g)
+    c = torch._foreach_add(torch._foreach_mul(m, s.beta1), torch._foreach_mul(g, s.one_minus_beta1))
+    p = torch._foreach_mul(p, s.decay)
+    p = torch._foreach_sub(p, torch._foreach_mul([_sign(t) for t in c], s.lr))
+    m = torch._foreach_add(torch._foreach_mul(m, s.beta2), torch._foreach_mul(g, s.one_minus_beta2))
+    with torch.no_grad():
+        torch._foreach_copy_(list(params), p)
+        torch._foreach_copy_(list(exp_avgs), m)
+
+
+def _foreach_adagrad(params: TensorList, grads: TensorList, states: Sequence[TensorList], hp: AdagradHyper) -> None:
+    """Adagrad (contract.py) in ``torch._foreach_*`` ops, each a separate fp32 op in the kernels' order."""
+    s = adagrad_scalars(hp)
+    (sums,) = states
+    p = [t.float() for t in params]
+    g = [t.float() for t in grads]
+    acc = [t.float() for t in sums]
+    if s.maximize:
+        g = torch._foreach_neg(g)
+    if s.l2:
+        g = torch._foreach_add(g, torch._foreach_mul(p, s.weight_decay))
+    acc = torch._foreach_add(acc, torch._foreach_mul(g, g))
+    # float64 sqrt rounded once, and a true division by full tensors (see _foreach_adam).
+    denom = torch._foreach_add([t.double().sqrt_().float() for t in acc], s.eps)
+    p = torch._foreach_sub(p, torch._foreach_mul(torch._foreach_div(g, denom), s.clr))
+    with torch.no_grad():
+        torch._foreach_copy_(list(params), p)
+        torch._foreach_copy_(list(sums), acc)
+
+
+class ForeachBackend:
+    """Tier 4: ``torch._foreach_*`` ops in fp32 math, rounded back to the storage dtype.
+
+    The ops are separate (no addcmul/addcdiv, which may fuse multiply-adds) and in the kernels'
+    order, so in fp32 this tier agrees with the reference bit for bit. One function per rule.
+    """
+
+    name = "foreach"
+    RULES: dict[str, Callable[..., None]] = {"adam": _foreach_adam, "lion": _foreach_lion, "adagrad": _foreach_adagrad}
+
+    def update(self, rule: str, params, grads, states, hp) -> None:
+        fn = self.RULES.get(rule)
+        if fn is None:
+            raise NotImplementedError(f"the foreach tier has no form of rule {rule!r}")
+        fn(params, grads, states, hp)
+
+
+# Every SIMD path the C++ kernel can be built with (src/cpu/dispatch.cpp), best first; which of
+# them a CPU supports is _cpu.simd_paths().
+KNOWN_SIMD_PATHS = ("avx512bf16", "avx512", "avx2", "neon", "scalar")
+
+
+class CPUBackend:
+    """The ``_cpu`` extension: SIMD C++ kernel on a persistent thread pool, GIL released."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        from .. import _cpu  # noqa: F401  (ImportError tells the caller why this tier is out)
+        self._cpu = _cpu
+        self.simd = _cpu.simd_path()
+        wanted = os.environ.get("MPS_FUSED_ADAM_SIMD")
+        if wanted and wanted != self.simd:
+            why = "is not supported on this CPU" if wanted in KNOWN_SIMD_PATHS else \
+                f"is unknown (known: {', '.join(KNOWN_SIMD_PATHS)})"
+            warnings.warn(f"mps_fused_adam: MPS_FUSED_ADAM_SIMD={wanted!r} {why} "
+                          f"(supported here: {', '.join(_cpu.simd_paths())}); using {self.simd}", RuntimeWarning)
+        prefetch = os.environ.get("MPS_FUSED_ADAM_PREFETCH")
+        if prefetch and not (prefetch.isascii() and prefetch.isdigit() and int(prefetch) <= 65536):
+            # The extension ignores such a value (src/cpu/dispatch.cpp); say so instead of silently.
+            warnings.warn(f"mps_fused_adam: MPS_FUSED_ADAM_PREFETCH={prefetch!r} is not a byte count from 0 to "
+                          f"65536; using the per-CPU-vendor prefetch distance", RuntimeWarning)
+        pool = os.environ.get("MPS_FUSED_ADAM_POOL")
+        if pool and pool != "own":
+            # The extension takes only "own" (src/cpu/torch_openmp.cpp) and ignores anything else.
+            warnings.warn(f"mps_fused_adam: MPS_FUSED_ADAM_POOL={pool!r} is not recognised (the only value is "
+                          f"'own'); using the default, torch's OpenMP threads where they can be borrowed "
+                          f"(_cpu.thread_pool() says which pool runs)", RuntimeWarning)
+
+    def update(self, rule: str, params, grads, states, hp, sr_keys=None) -> None:
+        """``sr_keys``: for bf16 params, one ``lowbit.sr_key`` per param to store them by
+        stochastic rounding (lowbit.py's contract); None rounds to nearest even."""
+        self._cpu.step(
+            rule, addresses(params), addresses(grads), [addresses(lst) for lst in states], numels(params),
+            _DTYPE_CODES[params[0].dtype], _DTYPE_CODES[states[0][0].dtype],
+            rule_spec(rule).pack(hp), torch.get_num_threads(), sr_keys,
+        )
+
+
+class TorchFusedBackend:
+    """Devices we ship no kernel for (CUDA, XPU): torch's fused Adam where it keeps the contract.
+
+    torch's fused kernel computes in fp32 (opmath) for every storage dtype, but it needs params
+    and states in one dtype; other mixes, other rules, and devices without a fused kernel, use the
+    foreach tier.
+    """
+
+    name = "torch-fused"
+
+    def __init__(self) -> None:
+        self._fallback = ForeachBackend()
+
+    def update(self, rule: str, params, grads, states, hp) -> None:
+        if rule != "adam" or states[0][0].dtype != params[0].dtype:
+            return self._fallback.update(rule, params, grads, states, hp)
+        exp_avgs, exp_avg_sqs = states
+        fused = torch._fused_adamw_ if hp.adam_w_mode else torch._fused_adam_
+        steps = [torch.tensor(float(hp.step), device=params[0].device)] * len(params)
+        bc_off = not hp.bias_correction
+        # torch's fused kernel always bias-corrects; step=inf makes beta**step vanish.
+        if bc_off:
+            steps = [torch.tensor(float("inf"), device=params[0].device)] * len(params)
+        fused(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), [], steps,
+              lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, weight_decay=hp.weight_decay, eps=hp.eps,
+              amsgrad=False, maximize=hp.maximize)
+
+
+def update_staged(backend: Backend, rule: str, params: TensorList, grads: TensorList,
+                  states: Sequence[TensorList], hp: Any) -> None:
+    """``backend.update`` for tensors that need not be contiguous: non-contiguous ones go through
+    contiguous copies that are written back, so their update is never lost (DeepSpeed's CPU Adam
+    silently loses it)."""
+    lists = (params, grads, *states)
+    if all(t.is_contiguous() for tensors in lists for t in tensors):
+        backend.update(rule, params, grads, states, hp)
+        return
+    staged = [[t.contiguous() for t in tensors] for tensors in lists]
+    backend.update(rule, staged[0], staged[1], staged[2:], hp)
+    written = [(params, staged[0])] + list(zip(states, staged[2:]))
+    for originals, copies in written:
+        for orig, copy in zip(originals, copies):
+            if copy is not orig:
+                orig.copy_(copy)
+
+
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+SUPPORTED_DTYPES = tuple(_DTYPE_CODES)
+
+_lock = threading.Lock()
+_chosen: dict[str, Backend] = {}
+_reasons: dict[str, list[str]] = {}
+
+
+def _try(device_type: str, factories: Sequence[tuple[str, Callable[[], Backend]]]) -> Backend:
+    reasons = _reasons.setdefault(device_type, [])
+    for label, make in factories:
+        try:
+            return make()
+        except Exception as exc:  # any load failure means: say why once, use the next tier
+            msg = f"mps_fused_adam: {label} backend unavailable for {device_type} tensors: {exc!r}"
+            reasons.append(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    return ForeachBackend()
+
+
+def _tiers(device_type: str) -> list[tuple[str, Callable[[], Backend]]]:
+    if device_type == "cpu":
+        return [("_cpu extension", CPUBackend)]
+    if device_type == "mps":
+        from .mps import mps_tiers
+        return mps_tiers()
+    if device_type in ("cuda", "xpu"):
+        return [("torch fused", TorchFusedBackend)]
+    return []
+
+
+def get_backend(device: torch.device | str) -> Backend:
+    """The backend for tensors on ``device``, chosen on first use and kept for the process."""
+    device_type = torch.device(device).type
+    backend = _chosen.get(device_type)
+    if backend is None:
+        with _lock:
+            backend = _chosen.get(device_type)
+            if backend is None:
+                backend = _chosen[device_type] = _try(device_type, _tiers(device_type))
+    return backend
+
+
+def backend_info() -> dict[str, dict[str, object]]:
+    """What is active per device type tried so far (CPU always; MPS when available), and why not the rest.
+
+    Each entry: ``backend`` (its name), ``unavailable`` (why each preferred tier did not load), and
+    where they apply ``simd`` (the CPU kernel's SIMD path) and ``fast_math`` (MPS: what torch's
+    ``PYTORCH_MPS_FAST_MATH`` changes for the active Metal tier)."""
+    get_backend("cpu")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        get_backend("mps")
+    info = {}
+    for device_type, backend in _chosen.items():
+        entry: dict[str, object] = {"backend": backend.name, "unavailable": list(_reasons.get(device_type, []))}
+        if hasattr(backend, "simd"):
+            entry["simd"] = backend.simd
+        if device_type == "mps":
+            from .mps import fast_math_note
+            note = fast_math_note(backend.name)
+            if note is not None:
+                entry["fast_math"] = note
+        info[device_type] = entry
+    return info

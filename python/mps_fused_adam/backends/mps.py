@@ -1,0 +1,322 @@
+"""Backends for MPS tensors: tiers 1 to 3 of the README's "Backends on MPS", all running metal/fused_adam.metal.
+
+1. ``_metal`` (Objective-C++ extension): one compute encoder per group on PyTorch's command buffer.
+2. ``torch.mps.load_metallib`` on the bundled ``fused_adam.metallib``: the same kernels, one
+   Python-level dispatch per tensor (and per 2^32-element chunk).
+3. ``torch.mps.compile_shader`` on the bundled ``metal/fused_adam.metal`` source.
+(4, the foreach tier, is ``backends.ForeachBackend``; ``backends`` falls back to it.)
+
+The device-specific pieces are parameters of :func:`mps_tiers` so the tests can drive this exact
+code on CPU tensors through stand-ins built from the same kernel source (tests/emulated_mps.py):
+``load_ext`` (imports ``_metal``), ``mps_api`` (the object with ``load_metallib`` and
+``compile_shader``, normally ``torch.mps``) and ``package_dir`` (where the bundled files are).
+
+Kernel interface (see the header comment of metal/fused_adam.metal): kernel ``fused_<rule>_<P>_<S>``;
+buffers 0 and 1 are param and grad, 2 .. 1+K the rule's K states, then the rule's scalar struct
+(``contract.Rule.pack``), ``base`` and ``n`` (64-bit); each thread handles 4 elements from
+``base + 4 * thread``. A dispatch covers at most ``MAX_THREADS_PER_DISPATCH`` threads. Nothing
+here or in ``_metal`` is specific to a rule: they take kernel names, tensor lists and bytes.
+"""
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from .addressing import addresses, numels
+from ..numerics.contract import RULES, AdamHyper, rule as rule_spec
+from ..numerics.lowbit import ADAM8BIT, ADAM_SR
+
+ELEMS_PER_THREAD = 4
+# 2^30 threads cover 2^32 elements: thread_position_in_grid is a 32-bit uint, and keeping each
+# dispatch's threads * 4 below 2^32 keeps every 32-bit quantity in range on the device.
+MAX_THREADS_PER_DISPATCH = 1 << 30
+THREADGROUP_SIZE = 256
+
+# torch::mps::get_command_buffer() must close PyTorch's open compute encoder, or the encoder _metal
+# opens aborts the process ("A command encoder is already encoding to this command buffer").
+# Evidence, the macOS arm64 wheels' libtorch_cpu.dylib (llvm-objdump -d): at::mps::MPSHooks::
+# getCommandBuffer calls MPSStream::endKernelCoalescing before MPSStream::commandBuffer in 2.9.0
+# (and 2.13.0), not in 2.8.0. tests/test_apple_artifacts.py re-checks this against the wheels.
+TIER1_MIN_TORCH = (2, 9)
+
+# The MPS stream torch::mps::get_command_buffer(), get_dispatch_queue() and commit() use, and so
+# the stream tier 1 encodes on: from this release on the calling thread's current stream
+# (at::mps::getCurrentMPSStream: torch.mps.stream()/set_stream, else the default stream), before it
+# always the default stream (at::mps::getDefaultMPSStream). Read from the macOS arm64 wheels'
+# libtorch_cpu.dylib (MPSHooks::getCommandBuffer, getDispatchQueue, commitStream; 2.14.1: default,
+# 2.15.0: current); tests/test_apple_artifacts.py re-checks every release from TIER1_MIN_TORCH on.
+HOOKS_CURRENT_STREAM_MIN_TORCH = (2, 15)
+
+METALLIB_NAME = "fused_adam.metallib"
+METAL_SOURCE_NAME = "fused_adam.metal"
+
+# Storage dtype names as the kernels' host names spell them.
+_DTYPE_NAMES = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat"}
+
+# The rules the Metal kernels run: contract.RULES, and Adam storing a bf16 param by stochastic
+# rounding (lowbit.ADAM_SR, bf16 params only).
+METAL_RULES = {**RULES, ADAM_SR.name: ADAM_SR, ADAM8BIT.name: ADAM8BIT}
+
+# (rule, param dtype, state dtype) -> kernel host name; states are fp32 or the param dtype
+# (8-bit Adam: uint8 codes, any param dtype).
+KERNELS = {
+    (r, p, s): f"fused_{r}_{_DTYPE_NAMES[p]}_{_DTYPE_NAMES[s]}"
+    for r in RULES for p in _DTYPE_NAMES for s in (torch.float32, p)
+}
+KERNELS.update({(ADAM_SR.name, torch.bfloat16, s): f"fused_{ADAM_SR.name}_bfloat_{_DTYPE_NAMES[s]}"
+                for s in (torch.float32, torch.bfloat16)})
+KERNELS.update({(ADAM8BIT.name, p, torch.uint8): f"fused_{ADAM8BIT.name}_{_DTYPE_NAMES[p]}_uchar"
+                for p in _DTYPE_NAMES})
+
+
+# torch compiles tier 3's source with fast math when this is set to a non-zero value (torch 2.13:
+# setFastMathEnabled: on macOS 14; math mode fast and fast FP32 functions on macOS 15 and newer).
+FAST_MATH_ENV = "PYTORCH_MPS_FAST_MATH"
+
+
+def fast_math_note(backend_name: str, environ: Mapping[str, str] = os.environ) -> str | None:
+    """What ``PYTORCH_MPS_FAST_MATH`` changes for the MPS backend ``backend_name`` (for ``backend_info``).
+
+    Tiers 1 and 2 run the prebuilt metallib (compiled with -fno-fast-math -ffp-contract=off), so
+    the variable cannot reach them. Tier 3 is compiled by torch with its options: sqrt and division
+    stay correctly rounded there (``metal::precise::`` forms) and the source switches contraction
+    off, but fast math may still change NaN/Inf handling and fp32 subnormals. None for backends that
+    are not ours (foreach: torch's own ops)."""
+    if backend_name in ("metal", "load_metallib"):
+        return "not applicable: prebuilt metallib, compiled with -fno-fast-math -ffp-contract=off"
+    if backend_name != "compile_shader":
+        return None
+    value = environ.get(FAST_MATH_ENV, "").strip()
+    if value in ("", "0"):
+        return f"off ({FAST_MATH_ENV} unset): the source's IEEE math as compiled by torch"
+    return (f"on ({FAST_MATH_ENV}={value}): sqrt and division stay correctly rounded "
+            "(metal::precise::), but NaN/Inf handling and fp32 subnormals may differ from the "
+            "contract; on macOS 14 (Metal 3.1) whether contraction stays off is not established "
+            "(untested on Apple hardware). Unset it for the contract's results.")
+
+
+def kernel_name(rule: str, param_dtype: torch.dtype, state_dtype: torch.dtype) -> str:
+    return KERNELS[(rule, param_dtype, state_dtype)]
+
+
+def pack_params(hp: AdamHyper, rule: str = "adam") -> bytes:
+    """The rule's scalar struct as the kernels read it (Adam: 44 bytes, little-endian as on every
+    Apple GPU)."""
+    spec = METAL_RULES.get(rule)
+    return (spec or rule_spec(rule)).pack(hp)  # rule_spec: a KeyError naming the known rules
+
+
+def params_as_words(packed: bytes) -> list[int]:
+    """``packed`` as the int64 list torch's ShaderLibrary call turns into the same bytes.
+
+    torch binds a list of Python ints as an array of int64 with setBytes, so little-endian words
+    reproduce the struct (plus padding to 8 bytes the kernel never reads), exactly, with no float
+    round trip and no dependence on the ``arg_casts`` option.
+    """
+    padded = packed + b"\0" * (-len(packed) % 8)
+    return list(struct.unpack(f"<{len(padded) // 8}q", padded))
+
+
+def dispatch_plan(numel: int, max_threads: int = MAX_THREADS_PER_DISPATCH) -> list[tuple[int, int]]:
+    """``(base, threads)`` of each dispatch that covers a tensor of ``numel`` elements."""
+    plan = []
+    step = max_threads * ELEMS_PER_THREAD
+    for base in range(0, numel, step):
+        count = min(step, numel - base)
+        plan.append((base, -(-count // ELEMS_PER_THREAD)))
+    return plan
+
+
+def mps_buffer(t: torch.Tensor) -> tuple[int, int, int]:
+    """``(MTLBuffer handle, byte offset, numel)``: for an MPS tensor the storage's data pointer is
+    its ``id<MTLBuffer>`` (PyTorch's MPS allocator stores it there); on a CPU tensor the same
+    expression gives the host address, which is what the emulated ``_metal`` of the tests uses."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset() * t.element_size(), t.numel())
+
+
+def mps_buffers(tensors: Sequence[torch.Tensor], numels: Sequence[int]) -> list[tuple[int, int, int]]:
+    """:func:`mps_buffer` of each tensor of one dtype, with one attribute read per tensor where it
+    can: c10 computes ``data_ptr()`` as the storage's data pointer plus ``storage_offset() *
+    itemsize`` on every device (``TensorImpl::data_impl``, torch/include/c10/core/TensorImpl.h), so
+    the handle is the address minus the byte offset. The addresses come from the optimizer's step
+    plan when it has read them this step (``backends.addresses``); an empty tensor, whose
+    ``data_ptr()`` is null, takes the long way."""
+    if not tensors:
+        return []
+    size = tensors[0].element_size()
+    return [(a - o * size, o * size, n) if n else mps_buffer(t)
+            for t, a, o, n in zip(tensors, addresses(tensors), map(torch.Tensor.storage_offset, tensors), numels)]
+
+
+def torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def _package_dir() -> Path:
+    return Path(__file__).resolve().parent.parent
+
+
+def find_metal_source(package_dir: Path) -> Path:
+    """The bundled ``.metal`` source: in the installed package, else in a source checkout."""
+    candidates = [package_dir / "metal" / METAL_SOURCE_NAME,
+                  package_dir.parent.parent / "metal" / METAL_SOURCE_NAME]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"no {METAL_SOURCE_NAME} in {' or '.join(str(c.parent) for c in candidates)}")
+
+
+def missing_metallib(path: Path) -> FileNotFoundError:
+    """The error tiers 1 and 2 raise without the bundled metallib, saying the usual cause: a
+    source build on a Mac whose Metal compiler does not run (cmake/apple_metal.cmake warns and
+    builds without it), after which tier 3 compiles the bundled source instead."""
+    return FileNotFoundError(
+        f"bundled metallib missing: {path} (a source build without the Metal toolchain has none: "
+        "its build warned; tier 3 compiles the bundled .metal source instead. For the prebuilt "
+        "kernels install Xcode's Metal toolchain, e.g. xcodebuild -downloadComponent MetalToolchain, "
+        "and reinstall)")
+
+
+class MetalExtBackend:
+    """Tier 1: the ``_metal`` extension; one call per group, one encoder, no host sync."""
+
+    name = "metal"
+
+    def __init__(self, ext: Any, metallib: Path, buffer_of: Callable = mps_buffer) -> None:
+        if not metallib.is_file():
+            raise missing_metallib(metallib)
+        # Raises with Metal's own error text if the library is unusable, or if the loaded
+        # libtorch lacks the torch::mps functions.
+        ext.load(str(metallib), sorted(KERNELS.values()))
+        self._ext = ext
+        self._buffer_of = buffer_of
+
+    def update(self, rule: str, params, grads, states, hp) -> None:
+        b = self._buffer_of
+        if b is mps_buffer:  # the same triples, fewer reads per tensor
+            n = numels(params)  # grads and states have their param's shape (validated)
+            buffers = [mps_buffers(lst, n) for lst in (params, grads, *states)]
+        else:
+            buffers = [[b(t) for t in lst] for lst in (params, grads, *states)]
+        self._ext.step(kernel_name(rule, params[0].dtype, states[0][0].dtype), buffers, pack_params(hp, rule))
+
+
+class ShaderLibraryBackend:
+    """Tiers 2 and 3: a torch ShaderLibrary (``load_metallib`` / ``compile_shader``) of our kernels.
+
+    torch's kernel call binds positional arguments to buffer indices in order: tensors with their
+    storage offset, Python ints as int64 and lists of ints as int64 arrays (torch/csrc/mps/Module.cpp).
+    """
+
+    def __init__(self, name: str, library: Any, max_threads: int = MAX_THREADS_PER_DISPATCH) -> None:
+        available = set(dir(library))
+        missing = sorted(set(KERNELS.values()) - available)
+        if missing:
+            raise RuntimeError(f"library lacks kernels {missing}")
+        self.name = name
+        self._lib = library
+        self._fns: dict[tuple[str, torch.dtype, torch.dtype], Any] = {}
+        self._max_threads = max_threads
+
+    def _kernel(self, key: tuple[str, torch.dtype, torch.dtype]) -> tuple[Any, int]:
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = self._fns[key] = getattr(self._lib, KERNELS[key])
+        return fn, min(THREADGROUP_SIZE, int(getattr(fn, "max_threads_per_threadgroup", THREADGROUP_SIZE)))
+
+    def update(self, rule: str, params, grads, states, hp) -> None:
+        fn, group = self._kernel((rule, params[0].dtype, states[0][0].dtype))
+        words = params_as_words(pack_params(hp, rule))
+        for tensors in zip(params, grads, *states):
+            n = tensors[0].numel()
+            for base, threads in dispatch_plan(n, self._max_threads):
+                fn(*tensors, words, base, n, threads=threads, group_size=min(group, threads))
+
+
+PROBE_ELEMENTS = 13  # three threads of 4 elements and a tail of 1
+
+
+def probe(backend: Any, device: str | torch.device) -> None:
+    """One Adam step of :data:`PROBE_ELEMENTS` fp32 elements through ``backend`` on ``device``,
+    against the reference; raises ``RuntimeError`` saying what failed.
+
+    Each tier runs it before it is chosen, so that a tier which loads but cannot run (a torch
+    release whose ShaderLibrary binds a kernel's arguments otherwise than 2.13's, the one read
+    from its sources; a metallib the GPU rejects) is refused like one that does not load, and the
+    next tier runs, instead of the first training step failing. Untested on Apple hardware."""
+    from ..numerics.reference import reference_adam_
+    gen = torch.Generator().manual_seed(0)
+    n = PROBE_ELEMENTS
+    base = [torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 0.1, torch.zeros(n), torch.zeros(n)]
+    hp = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.1, 1)
+    want = [t.clone() for t in base]
+    reference_adam_(*want, hp)
+    what = f"its first-use probe (one Adam step of {n} fp32 elements on {device})"
+    try:
+        ours = [t.to(device) for t in base]
+        backend.update("adam", [ours[0]], [ours[1]], [[ours[2]], [ours[3]]], hp)
+        got = [t.cpu() for t in ours]  # waits for the GPU
+    except Exception as exc:
+        raise RuntimeError(f"{what} failed: {exc!r}") from exc
+    for name, k in (("param", 0), ("exp_avg", 2), ("exp_avg_sq", 3)):
+        bound = 8 * torch.finfo(torch.float32).eps * float(want[k].abs().max())
+        diff = float((got[k] - want[k]).abs().max())
+        if not diff <= bound:  # NaN fails too
+            raise RuntimeError(f"{what} gave a {name} {diff:.3g} away from the reference (the contract's bound: "
+                               f"{bound:.3g})")
+
+
+def mps_tiers(*, load_ext: Callable[[], Any] | None = None, mps_api: Any = None,
+              package_dir: Path | None = None, buffer_of: Callable = mps_buffer,
+              torch_version: Callable[[], tuple[int, int]] = torch_version,
+              probe_device: str = "mps") -> list[tuple[str, Callable[[], Any]]]:
+    """Tiers 1-3 as ``(label, factory)`` in preference order; each factory raises why it can't
+    load, or why it cannot run (:func:`probe` on ``probe_device``: the stand-ins of the tests run
+    on CPU tensors)."""
+    pkg = package_dir if package_dir is not None else _package_dir()
+
+    def api() -> Any:
+        return mps_api if mps_api is not None else torch.mps
+
+    def import_ext() -> Any:
+        from .. import _metal  # ImportError: not built (non-Apple wheel) or not loadable
+        return _metal
+
+    def tier1() -> MetalExtBackend:
+        if torch_version() < TIER1_MIN_TORCH:
+            raise RuntimeError(
+                f"torch {torch.__version__} is older than {'.'.join(map(str, TIER1_MIN_TORCH))}: its "
+                "torch::mps::get_command_buffer() leaves PyTorch's own encoder open (no endKernelCoalescing)")
+        ext = (load_ext or import_ext)()
+        return MetalExtBackend(ext, pkg / METALLIB_NAME, buffer_of)
+
+    def tier2() -> ShaderLibraryBackend:
+        load = getattr(api(), "load_metallib", None)
+        if load is None:
+            raise RuntimeError(f"torch {torch.__version__} has no torch.mps.load_metallib")
+        path = pkg / METALLIB_NAME
+        if not path.is_file():
+            raise missing_metallib(path)
+        return ShaderLibraryBackend("load_metallib", load(path))
+
+    def tier3() -> ShaderLibraryBackend:
+        compile_shader = getattr(api(), "compile_shader", None)
+        if compile_shader is None:
+            raise RuntimeError(f"torch {torch.__version__} has no torch.mps.compile_shader")
+        source = find_metal_source(pkg).read_text(encoding="utf-8")
+        return ShaderLibraryBackend("compile_shader", compile_shader(source))
+
+    def probed(make: Callable[[], Any]) -> Callable[[], Any]:
+        def factory() -> Any:
+            backend = make()
+            probe(backend, probe_device)
+            return backend
+        return factory
+
+    return [("_metal extension", probed(tier1)), ("torch.mps.load_metallib", probed(tier2)),
+            ("torch.mps.compile_shader", probed(tier3))]

@@ -1,0 +1,673 @@
+"""The optimizer classes: ``FusedAdam`` (DeepSpeed's signature), ``Adam``/``AdamW`` (torch's),
+``CPUAdam`` (DeepSpeed's ``DeepSpeedCPUAdam``), ``Lion`` (lion_pytorch's), ``FusedLion``
+(DeepSpeed's) and ``Adagrad`` (torch's), all over one step function.
+
+A step gathers every group's tensors, validates all of them, and only then creates missing state
+and hands one call per (device, dtypes, step count) to the backend of that device. A class names
+its update rule, its state tensors, how a group's hyperparameters become the rule's contract
+object, and its signature; nothing else.
+"""
+from __future__ import annotations
+
+import functools
+import operator
+import sys
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from . import dtensor, in_backward, sr_seeds, step_plan, validate
+from .step_entry import fast_step_entry
+from ..backends import SUPPORTED_DTYPES, get_backend, update_staged
+from ..numerics.contract import RULES, AdagradHyper, AdamHyper, LionHyper
+
+_Params = Iterable[Any]
+
+
+def _optimizer_method(name: str) -> Callable[..., Any]:
+    """``torch.optim.Optimizer.<name>`` without its ``torch._disable_dynamo`` wrapper while
+    ``torch._dynamo`` is not loaded: the wrapper's first call imports it, which takes about a
+    second, the largest part of the time to a first step. Once torch.compile has loaded it, the
+    wrapped method is used, so compiled code never traces into these."""
+    fn = getattr(torch.optim.Optimizer, name)
+    return fn if "torch._dynamo" in sys.modules else getattr(fn, "__wrapped__", fn)
+
+
+_CPU = torch.device("cpu")
+
+
+def load_state_dict_with_hooks(opt: torch.optim.Optimizer, state_dict: dict[str, Any],
+                               check: Callable[[dict[str, Any]], None],
+                               retake: Callable[[dict[str, Any]], None]) -> None:
+    """torch's ``load_state_dict`` with a check before it and a re-take of states after it, the
+    load hooks where torch runs them: the pre-hooks first (they may replace the dict, which is
+    then the one checked and loaded), the post-hooks once everything, the re-take included, is
+    loaded; each once."""
+    state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
+    pre = getattr(opt, "_optimizer_load_state_dict_pre_hooks", None)
+    post = getattr(opt, "_optimizer_load_state_dict_post_hooks", None)
+    for hook in list((pre or {}).values()):
+        result = hook(opt, state_dict)
+        if result is not None:
+            state_dict = result
+    check(state_dict)
+    # torch's own load, with its hook tables empty for the call: the pre-hooks ran above, and the
+    # post-hooks must see the re-taken states.
+    if pre is not None:
+        opt._optimizer_load_state_dict_pre_hooks = type(pre)()
+    if post is not None:
+        opt._optimizer_load_state_dict_post_hooks = type(post)()
+    try:
+        _optimizer_method("load_state_dict")(opt, state_dict)
+    finally:
+        if pre is not None:
+            opt._optimizer_load_state_dict_pre_hooks = pre
+        if post is not None:
+            opt._optimizer_load_state_dict_post_hooks = post
+    retake(state_dict)
+    for hook in list((post or {}).values()):
+        hook(opt)
+
+
+class _FusedOptimizer(torch.optim.Optimizer):
+    """Shared machinery for every rule. A subclass sets ``_rule`` and implements ``_check_group``
+    and ``_hyper`` (and ``_new_state`` when a state does not start at 0); the state names are the
+    rule's (``contract.RULES``). Every public class takes ``step_in_backward=True``: each param is
+    then stepped from its post-accumulate-grad hook by ``_step_one`` (in_backward.py)."""
+
+    # The update rule (contract.RULES) every step of this class runs.
+    _rule = "adam"
+    # What a state dict this class loads looks like (load_state_dict rejects any other).
+    _state_dict_kind = validate.ADAM_STATE_DICT
+    # A subclass restricted to one device type (CPUAdam) sets this.
+    _device_type: Optional[str] = None
+
+    @property
+    def _state_names(self) -> tuple[str, ...]:
+        return RULES[self._rule].states
+
+    def __init__(self, params: _Params, defaults: dict[str, Any], step_in_backward: bool = False) -> None:
+        self._check_group(defaults, "")
+        in_backward.setup(self, step_in_backward)  # before torch's __init__ adds (and so hooks) the groups
+        super().__init__(params, defaults)
+
+    def _check_group(self, group: dict[str, Any], where: str) -> None:
+        """Raise ValueError for hyperparameters the rule cannot take (torch's messages)."""
+        raise NotImplementedError
+
+    def _hyper(self, group: dict[str, Any], step: int) -> Any:
+        """The rule's contract object (contract.py) for ``group`` at step ``step``."""
+        raise NotImplementedError
+
+    def _new_state(self, p: torch.Tensor, name: str, dtype: torch.dtype, group: dict[str, Any]) -> torch.Tensor:
+        return torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group`` (also used by the constructor), then a dtype check of the new
+        group's parameters: a rejected group is removed again, so the optimizer is unchanged."""
+        _optimizer_method("add_param_group")(self, param_group)
+        gi = len(self.param_groups) - 1
+        try:
+            validate.check_group_param_dtypes(self.param_groups[gi], gi)
+            in_backward.group_added(self, gi, self._device_type)
+        except Exception:
+            self.param_groups.pop()
+            raise
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        _optimizer_method("zero_grad")(self, set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return _optimizer_method("state_dict")(self)
+
+    # The dtype the moment estimates are kept in: a fixed one, or (None) the param's, as torch does.
+    _fixed_state_dtype: Optional[torch.dtype] = None
+
+    def _state_dtype(self, p: torch.Tensor) -> torch.dtype:
+        return self._fixed_state_dtype or p.dtype
+
+    # Constructor options kept as attributes (DeepSpeed's and lion_pytorch's signatures), which
+    # torch's Optimizer.__getstate__ leaves out: carried through pickling and copy.deepcopy here.
+    _config_attributes: tuple[str, ...] = ()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["mps_fused_adam_config"] = {k: getattr(self, k) for k in self._config_attributes}
+        return in_backward.getstate(self, state)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        config = state.pop("mps_fused_adam_config", None)
+        hooked = in_backward.take_state(state)
+        super().__setstate__(state)
+        if config is not None:
+            self.__dict__.update(config)
+        for group in self.param_groups:
+            self._adopt_group_keys(group)
+            # A state dict from torch.optim lacks our group keys: take them from our defaults.
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+        in_backward.restore(self, hooked)
+
+    def _adopt_group_keys(self, group: dict[str, Any]) -> None:
+        """A loaded group of the optimizer we stand in for may say under its own name what ours
+        says under another (torch's ``decoupled_weight_decay``, ours ``adam_w_mode``)."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of ours or of the optimizer we stand in for (``torch.optim.Adam``/
+        ``AdamW``/``Adagrad``, ``lion_pytorch.Lion``).
+
+        torch casts loaded states to the parameter's dtype; we re-take them from the saved
+        tensors in this optimizer's state dtype (fp32 states of bf16 params stay exact), and keep
+        ``step`` as a Python int. A state dict of another optimizer (SGD's, say) or with moments
+        of the wrong shape is rejected before anything is loaded. As in torch, the load pre-hooks
+        (``register_load_state_dict_pre_hook``) see the dict first and may replace it, and the
+        post-hooks run after everything is loaded.
+        """
+        load_state_dict_with_hooks(
+            self, state_dict, lambda sd: validate.check_state_dict(sd, self.param_groups, self._state_dict_kind),
+            self._retake_states)
+
+    def _retake_states(self, state_dict: dict[str, Any]) -> None:
+        saved_state = state_dict["state"]
+        for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
+            for key, p in zip(saved_group["params"], group["params"]):
+                saved = saved_state.get(key)
+                if saved is None:
+                    continue
+                st = self.state[p]
+                for name in self._state_names:
+                    if isinstance(saved.get(name), torch.Tensor):
+                        st[name] = saved[name].to(device=p.device, dtype=self._state_dtype(p),
+                                                  memory_format=torch.preserve_format, copy=True)
+                if "step" in saved:
+                    st["step"] = int(saved["step"])
+
+    def _slots(self, gi: int, params: list) -> list:
+        """Each group's states as a list aligned with its params, so a step looks states up by
+        position instead of hashing 1,000 tensors (torch's Tensor.__hash__ runs in Python).
+        Kept while the group holds the same param objects in the same places and ``self.state``
+        the same per-param dicts (``_cpu.DictSnapshot``: a replaced or removed dict shows); a dict
+        emptied in place reads as no state (``_plan_group``), as torch's optimizers take it."""
+        cache = self.__dict__.setdefault("_slot_cache", {})
+        entry = cache.get(gi)
+        state = self.state
+        if (entry is None or entry[0] is not params or len(entry[1]) != len(params)
+                or not all(map(operator.is_, entry[1], params)) or not entry[2].unchanged(state)):
+            native = step_plan.native()
+            snapshot = native.DictSnapshot(state) if native is not None else None
+            slots = [state[p] if state.get(p) else None for p in params]
+            if snapshot is None:
+                return slots  # no extension: nothing to prove the cache with, so no cache
+            entry = cache[gi] = (params, tuple(params), snapshot, slots)
+        return entry[3]
+
+    @fast_step_entry
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
+        return self._step(closure)
+
+    @torch.no_grad()
+    def _step(self, closure: Optional[Callable[[], Any]]) -> Any:
+        # The step itself; `step` is its entry (torch's hooks and profiler range: step_entry.py),
+        # which subclasses that take more arguments (FusedAdam, FusedLion) replace.
+        in_backward.refuse_closure(self, closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # Every group is validated and sorted into kernel calls before anything is written (no
+        # state created, no step counted) until the whole step is known good. A group whose cached
+        # plan still holds (step_plan.py) is checked in C++; any other takes the full path.
+        plans = self._step_plans()
+        work = []
+        for gi, group in enumerate(self.param_groups):
+            self._check_group(group, f"param_groups[{gi}]")
+            if group.get("bf16_stochastic_round"):
+                # Stochastic rounding needs a fresh per-tensor key each step, which the cached
+                # plans do not carry: such groups always take the full path and are not planned.
+                plans.pop(gi, None)
+                work.append((gi, group, None, self._plan_group(gi, group)))
+                continue
+            plan = plans.get(gi)
+            fast = step_plan.check(plan, group["params"]) if isinstance(plan, step_plan.Plan) else None
+            work.append((gi, group, plan, fast) if fast is not None else (gi, group, plan, self._plan_group(gi, group)))
+        replan = []
+        for gi, group, plan, planned in work:
+            if isinstance(planned, list):
+                self._step_planned(group, plan, planned)
+            else:
+                self._step_full(group, *planned[1:])
+                if not group.get("bf16_stochastic_round"):
+                    replan.append((gi, group, plan))
+        if replan:
+            self._replan(plans, replan)
+        return loss
+
+    def _step_one(self, gi: int, group: dict[str, Any], pi: int, p: torch.Tensor) -> None:
+        """Step ``group["params"][pi]`` alone (``step_in_backward``'s hook, in_backward.py): the
+        full path's validation, state creation and kernel, over a group of this one param."""
+        self._check_group(group, f"param_groups[{gi}]")
+        one = dict(group)
+        one["params"] = [p]
+        one["param_names"] = [self._param_name(group, gi, pi)]
+        self._step_full(*self._plan_group(gi, one, [self.state.get(p) or None]))
+
+    def _step_planned(self, group: dict[str, Any], plan: step_plan.Plan, planned: list) -> None:
+        plan.uses += 1
+        for bucket, grads in planned:
+            step = bucket.step + 1
+            plan.native.set_steps(bucket.begin, bucket.end, step)
+            bucket.step = step
+            # The plan holds only contiguous tensors and checked that each grad is: no staging.
+            get_backend(bucket.device).update(self._rule, bucket.params, grads, bucket.states,
+                                              self._hyper(group, step))
+
+    def _step_full(self, group: dict[str, Any], fresh: list, buckets: dict) -> None:
+        names = self._state_names
+        nstates = len(names)
+        for p, pi, slots in fresh:
+            st = slots[pi] = self.state[p]
+            sd = self._state_dtype(p)
+            st["step"] = 0
+            for name in names:
+                st[name] = self._new_state(p, name, sd, group)
+            key = (p.device, p.dtype, sd, 0)
+            bucket = buckets.get(key)
+            if bucket is None:
+                bucket = buckets[key] = tuple([] for _ in range(nstates + 3))
+            # A DTensor param's new states are DTensors like it (zeros_like): its shards are stepped.
+            bucket[0].append(dtensor.local(p))
+            bucket[1].append(dtensor.local(p.grad))
+            for k, name in enumerate(names):
+                bucket[2 + k].append(dtensor.local(st[name]))
+            bucket[-1].append(st)
+        sr = bool(group.get("bf16_stochastic_round"))
+        for (device, pdtype, _, last_step), bucket in buckets.items():
+            step = int(last_step) + 1
+            for st in bucket[-1]:
+                st["step"] = step
+            if sr and pdtype is torch.bfloat16:
+                # Only the Adam rule has this option (_AdamBase's group key).
+                _stochastic_round_step(device, *bucket, self._hyper(group, step),
+                                       functools.partial(sr_seeds.param_seed, self))
+            else:
+                update_staged(get_backend(device), self._rule, bucket[0], bucket[1], list(bucket[2:-1]),
+                              self._hyper(group, step))
+
+    def _step_plans(self) -> dict[int, Any]:
+        """The groups' cached plans, or none when the optimizer's state dict has changed since they
+        were made (or the state dtype policy has: CPUAdam's ``fp32_optimizer_states``)."""
+        plans = self.__dict__.setdefault("_plans", {})
+        snapshot = self.__dict__.get("_plans_snapshot")
+        if plans and (snapshot is None or self.__dict__.get("_plans_state_dtype") != self._fixed_state_dtype
+                      or not snapshot.unchanged(self.state)):
+            plans.clear()
+        for gi in [gi for gi in plans if gi >= len(self.param_groups)]:
+            del plans[gi]  # a removed group's plan would keep its tensors alive
+        return plans
+
+    def _replan(self, plans: dict[int, Any], groups: list) -> None:
+        """Plan the groups that just took the full path, for the next step."""
+        native = step_plan.native()
+        if native is None:
+            return
+        for gi, group, previous in groups:
+            plans[gi] = step_plan.replan(native, previous, group["params"], self.state, RULES[self._rule].states)
+        self._plans_snapshot = native.DictSnapshot(self.state)
+        self._plans_state_dtype = self._fixed_state_dtype
+
+    @staticmethod
+    def _param_name(group: dict[str, Any], gi: int, pi: int) -> str:
+        """How errors name a param: its name where the optimizer was given named parameters."""
+        pnames = group.get("param_names")
+        return pnames[pi] if pnames else f"param_groups[{gi}]['params'][{pi}]"
+
+    def _plan_group(self, gi: int, group: dict[str, Any], slots: Optional[list] = None
+                    ) -> tuple[dict[str, Any], list, dict]:
+        """Validate one group; return it, its params that need new state, and its kernel calls
+        keyed by (device, param dtype, state dtype, step count so far). ``slots``: the params'
+        states, when not the group's cached ones (``_step_one``)."""
+        params = group["params"]
+        slots = self._slots(gi, params) if slots is None else slots
+        supported, strided, only = SUPPORTED_DTYPES, torch.strided, self._device_type
+        names = self._state_names
+        nlists = len(names) + 3
+        fresh: list = []
+        buckets: dict[tuple, tuple] = {}
+        fixed_sd = self._fixed_state_dtype
+        cpu = _CPU
+        # FSDP2 / tensor-parallel params: their local shards are stepped (dtensor.py). Without
+        # torch.distributed.tensor loaded there is no DTensor to look for. It is loaded with
+        # torch._dynamo (any torch.compile), so plain tensors are told apart by their exact type
+        # first: isinstance against DTensor costs about 55 ns a tensor, which made this loop
+        # about 40% slower for plain params.
+        dt_cls = dtensor.dtensor_type()
+        plain_t, plain_p = torch.Tensor, torch.nn.Parameter
+        sr_group = bool(group.get("bf16_stochastic_round"))
+        for pi, p in enumerate(params):
+            g = p.grad
+            if g is None:
+                continue
+            st = slots[pi] or None  # a state dict emptied since: fresh state, as torch takes it
+            dt = p.dtype
+            shape = p.shape
+            on_cpu = p.is_cpu
+            # The common case is this one expression per tensor (and per state); any failure (an
+            # AttributeError included: a state entry that is not a tensor) re-runs the detailed
+            # checks, which raise naming the parameter.
+            try:
+                ok = (dt in supported and g.dtype is dt and g.layout is strided and g.shape == shape
+                      and not g._is_zerotensor())
+                if st is None:
+                    if p.numel() == 0:
+                        continue
+                    states = None
+                    ok = ok and (g.is_cpu if on_cpu else g.device == p.device)
+                else:
+                    states = [st.get(name) for name in names]
+                    sd = fixed_sd or dt
+                    ok = ok and (g.is_cpu if on_cpu else g.device == p.device)
+                    for t in states:
+                        ok = (ok and type(t) is plain_t and t.dtype is sd and t.shape == shape
+                              and (t.is_cpu if on_cpu else t.device == p.device))
+                    taken = st.get("step", 0)
+                    ok = ok and type(taken) is int and taken >= 0
+                if ok and only is not None:
+                    ok = p.device.type == only
+            except AttributeError:
+                ok = False
+            if not ok:
+                validate.check_param(p, g, self._param_name(group, gi, pi), only)
+                if st is not None:
+                    validate.check_state(p, st, self._param_name(group, gi, pi), self._state_dtype(p), names)
+            # With ok, every state is exactly a torch.Tensor (checked above): no DTensor among them.
+            if dt_cls is not None and (not ok or type(g) is not plain_t
+                                       or (type(p) is not plain_p and type(p) is not plain_t)) and (
+                    isinstance(p, dt_cls) or isinstance(g, dt_cls)
+                    or any(isinstance(t, dt_cls) for t in states or ())):
+                if isinstance(p, dt_cls):
+                    name = self._param_name(group, gi, pi)
+                    if sr_group and dt is torch.bfloat16:
+                        # The random bits are drawn per element index of the tensor stepped, here the
+                        # local shard, and the seed from each rank's RNG: replicas of a Replicate
+                        # param would drift apart, and shards would not round as the whole does.
+                        raise ValueError(f"{name}: bf16_stochastic_round=True does not step bf16 DTensor params "
+                                         f"(FSDP2, tensor parallel); keep fp32 params or leave the option off")
+                    dtensor.check_like_param(p, g, name, "grad")
+                    for state_name, t in zip(names, states or ()):
+                        dtensor.check_like_param(p, t, name, f"state {state_name!r}")
+                    if st is not None:
+                        p, g, states = p.to_local(), g.to_local(), [t.to_local() for t in states]
+                else:
+                    dtensor.check_plain(p, g, states or (), self._param_name(group, gi, pi), names)
+            if st is None:
+                fresh.append((p, pi, slots))
+                continue
+            key = (cpu if on_cpu else p.device, dt, states[0].dtype, st.get("step", 0))
+            bucket = buckets.get(key)
+            if bucket is None:
+                bucket = buckets[key] = tuple([] for _ in range(nlists))
+            bucket[0].append(p)
+            bucket[1].append(g)
+            for k, t in enumerate(states):
+                bucket[2 + k].append(t)
+            bucket[-1].append(st)
+        return group, fresh, buckets
+
+
+class _AdamBase(_FusedOptimizer):
+    """The Adam rule. Group keys: lr, betas, eps, weight_decay, bias_correction, maximize, and the
+    weight-decay mode under the name of the optimizer a class stands in for (``_mode_key``)."""
+
+    # torch.optim.Adam/AdamW: decoupled_weight_decay; DeepSpeed's FusedAdam/DeepSpeedCPUAdam: adam_w_mode.
+    _mode_key = "adam_w_mode"
+    _MODE_KEYS = ("adam_w_mode", "decoupled_weight_decay")
+
+    def _adopt_group_keys(self, group: dict[str, Any]) -> None:
+        if self._mode_key not in group:
+            for other in self._MODE_KEYS:
+                if other in group:
+                    group[self._mode_key] = bool(group[other])
+                    break
+
+    def _check_group(self, group: dict[str, Any], where: str) -> None:
+        validate.check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"], where=where)
+
+    def _hyper(self, group: dict[str, Any], step: int) -> AdamHyper:
+        beta1, beta2 = group["betas"]
+        return AdamHyper(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                         weight_decay=float(group["weight_decay"]), step=step,
+                         adam_w_mode=bool(group[self._mode_key]), bias_correction=bool(group["bias_correction"]),
+                         maximize=bool(group["maximize"]))
+
+
+def _stochastic_round_step(device: torch.device, ps: list, gs: list, ms: list, vs: list, states: list,
+                           hp: AdamHyper, seed_of: Callable[[torch.Tensor], int]) -> None:
+    """Adam with bf16 params stored by stochastic rounding (lowbit.py's contract): the CPU kernel
+    for contiguous CPU tensors, the Metal kernels ``fused_adam_sr_bfloat_*`` on the Metal tiers
+    (one dispatch per tensor: the key is per tensor), else the plain-torch reference one tensor
+    at a time. Each param gets its own 64-bit seed in its state (``sr_seed``), ``seed_of(param)``
+    (sr_seeds.py: independent of the order params are stepped in), on its first such step."""
+    from ..numerics import lowbit
+    from ..backends import CPUBackend
+    from ..backends.mps import MetalExtBackend, ShaderLibraryBackend
+    from ..numerics.reference_lowbit import reference_adam_sr_
+    for p, st in zip(ps, states):
+        if "sr_seed" not in st:
+            st["sr_seed"] = seed_of(p)
+    keys = [lowbit.sr_key(int(st["sr_seed"]), hp.step) for st in states]
+    backend = get_backend(device)
+    if isinstance(backend, CPUBackend) and all(t.is_contiguous() for lst in (ps, gs, ms, vs) for t in lst):
+        backend.update("adam", ps, gs, [ms, vs], hp, sr_keys=keys)
+        return
+    if isinstance(backend, (MetalExtBackend, ShaderLibraryBackend)):
+        for p, g, m, v, key in zip(ps, gs, ms, vs, keys):
+            update_staged(backend, lowbit.ADAM_SR.name, [p], [g], [[m], [v]], lowbit.AdamSRHyper(hp, key))
+        return
+    for p, g, m, v, key in zip(ps, gs, ms, vs, keys):
+        reference_adam_sr_(p, g, m, v, hp, key)
+
+
+def _reject(option: str, value: Any, cls: str, algorithm: str) -> None:
+    """An option of torch's class ``cls`` that this package's ``cls`` (which runs ``algorithm``) does not implement."""
+    raise ValueError(f"{cls} does not support {option}={value!r}; mps_fused_adam implements plain {algorithm} "
+                     f"(use torch.optim.{cls} for {option})")
+
+
+class Adam(_AdamBase):
+    """Drop-in for ``torch.optim.Adam``: same arguments and defaults, L2 weight decay unless
+    ``decoupled_weight_decay=True``. ``foreach`` and ``fused`` are accepted and ignored (this is
+    always fused); ``amsgrad``, ``capturable`` and ``differentiable`` are rejected.
+
+    ``bf16_stochastic_round=True``: bf16 parameters are stored from the fp32 update by stochastic
+    rounding (unbiased; random bits from a hash of the param's ``sr_seed`` state, the step and the
+    element index: reproducible under ``torch.manual_seed``); other dtypes are unaffected."""
+
+    _name = "Adam"
+    _mode_key = "decoupled_weight_decay"  # torch's group key, so state dicts carry the mode both ways
+
+    def __init__(self, params: _Params, lr: float | torch.Tensor = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0,
+                 amsgrad: bool = False, *, foreach: Optional[bool] = None, maximize: bool = False,
+                 capturable: bool = False, differentiable: bool = False, fused: Optional[bool] = None,
+                 decoupled_weight_decay: bool = False, bf16_stochastic_round: bool = False,
+                 step_in_backward: bool = False) -> None:
+        self._check_unsupported(amsgrad, capturable, differentiable)
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      decoupled_weight_decay=bool(decoupled_weight_decay), bias_correction=True,
+                                      maximize=maximize, bf16_stochastic_round=bool(bf16_stochastic_round)),
+                         step_in_backward)
+
+    def _check_unsupported(self, amsgrad: bool, capturable: bool, differentiable: bool) -> None:
+        for option, value in (("amsgrad", amsgrad), ("capturable", capturable), ("differentiable", differentiable)):
+            if value:
+                _reject(option, value, self._name, "Adam")
+
+
+class AdamW(Adam):
+    """Drop-in for ``torch.optim.AdamW`` (decoupled weight decay, default 1e-2)."""
+
+    _name = "AdamW"
+
+    def __init__(self, params: _Params, lr: float | torch.Tensor = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+                 amsgrad: bool = False, *, maximize: bool = False, foreach: Optional[bool] = None,
+                 capturable: bool = False, differentiable: bool = False, fused: Optional[bool] = None,
+                 bf16_stochastic_round: bool = False, step_in_backward: bool = False) -> None:
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                         maximize=maximize, capturable=capturable, differentiable=differentiable,
+                         decoupled_weight_decay=True, bf16_stochastic_round=bf16_stochastic_round,
+                         step_in_backward=step_in_backward)
+
+
+class FusedAdam(_AdamBase):
+    """DeepSpeed's ``FusedAdam`` signature, on any device: Metal on MPS, the C++ kernel on CPU,
+    torch's fused kernel or the fp32 foreach tier elsewhere. States are kept in the param dtype.
+    ``bf16_stochastic_round=True`` as for :class:`Adam`."""
+
+    def __init__(self, params: _Params, lr: float = 1e-3, bias_correction: bool = True,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
+                 weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True,
+                 bf16_stochastic_round: bool = False, *, step_in_backward: bool = False) -> None:
+        if amsgrad:
+            raise ValueError("FusedAdam does not support the AMSGrad variant (amsgrad=True)")
+        self.set_grad_none = set_grad_none
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      adam_w_mode=adam_w_mode, bias_correction=bias_correction, maximize=False,
+                                      bf16_stochastic_round=bool(bf16_stochastic_round)), step_in_backward)
+
+    _config_attributes = ("set_grad_none",)
+
+    def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
+        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
+
+    @fast_step_entry
+    def step(self, closure: Optional[Callable[[], Any]] = None, grads: Any = None, output_params: Any = None,
+             scale: Any = None, grad_norms: Any = None, grad_scaler: Any = None) -> Any:
+        """One step. DeepSpeed's legacy arguments (``grads``, ``output_params``, ``scale``,
+        ``grad_norms``) are rejected and ``grad_scaler`` is ignored, as DeepSpeed's FusedAdam does."""
+        if any(a is not None for a in (grads, output_params, scale, grad_norms)):
+            raise RuntimeError("FusedAdam has been updated; simply initialize it identically to torch.optim.Adam "
+                               "and call step() with no arguments except an optional closure")
+        return self._step(closure)
+
+
+class CPUAdam(_AdamBase):
+    """DeepSpeed's ``DeepSpeedCPUAdam`` signature on the prebuilt C++ kernel: CPU tensors only.
+
+    With ``fp32_optimizer_states=True`` (default) the moments are fp32 whatever the param dtype;
+    otherwise they are kept in the param dtype.
+    """
+
+    _device_type = "cpu"
+    _config_attributes = ("fp32_optimizer_states",)
+
+    def __init__(self, model_params: _Params, lr: float = 1e-3, bias_correction: bool = True,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0,
+                 amsgrad: bool = False, adamw_mode: bool = True, fp32_optimizer_states: bool = True, *,
+                 step_in_backward: bool = False) -> None:
+        if amsgrad:
+            raise ValueError("CPUAdam does not support the AMSGrad variant (amsgrad=True)")
+        self.fp32_optimizer_states = fp32_optimizer_states
+        super().__init__(model_params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                            adam_w_mode=adamw_mode, bias_correction=bias_correction, maximize=False),
+                         step_in_backward)
+
+    @property
+    def _fixed_state_dtype(self) -> Optional[torch.dtype]:  # type: ignore[override]
+        return torch.float32 if self.fp32_optimizer_states else None
+
+
+class Lion(_FusedOptimizer):
+    """Drop-in for ``lion_pytorch.Lion`` (same arguments and defaults; state ``exp_avg`` in the
+    param's dtype, so state dicts move between the two). Contract: ``contract.py``, Lion section.
+
+    ``decoupled_weight_decay=True`` divides the weight decay by the initial learning rate, as
+    lion_pytorch does; ``use_triton`` is an implementation switch, accepted and ignored.
+    """
+
+    _rule = "lion"
+    _state_dict_kind = validate.StateDictKind("Lion", ("betas",), ("eps", "lr_decay"), ("exp_avg",))
+    _config_attributes = ("_init_lr", "decoupled_wd")
+
+    def __init__(self, params: _Params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
+                 weight_decay: float = 0.0, use_triton: bool = False, decoupled_weight_decay: bool = False, *,
+                 step_in_backward: bool = False) -> None:
+        if decoupled_weight_decay and not float(lr) > 0:
+            raise ValueError(f"decoupled_weight_decay=True divides the weight decay by the initial learning rate, "
+                             f"which must be > 0; got lr={float(lr)}")
+        self._init_lr = float(lr)
+        self.decoupled_wd = bool(decoupled_weight_decay)
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay), step_in_backward)
+
+    def _check_group(self, group: dict[str, Any], where: str) -> None:
+        validate.check_lion_hyperparameters(group["lr"], group["betas"], group["weight_decay"], where=where)
+
+    def _hyper(self, group: dict[str, Any], step: int) -> LionHyper:
+        beta1, beta2 = group["betas"]
+        wd = float(group["weight_decay"])
+        if self.decoupled_wd:
+            wd /= self._init_lr
+        return LionHyper(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), weight_decay=wd)
+
+
+class FusedLion(Lion):
+    """DeepSpeed's ``FusedLion`` signature (its defaults, ``set_grad_none``), on any device."""
+
+    _config_attributes = Lion._config_attributes + ("set_grad_none",)
+
+    def __init__(self, params: _Params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 weight_decay: float = 0.0, set_grad_none: bool = True, *, step_in_backward: bool = False) -> None:
+        self.set_grad_none = set_grad_none
+        super().__init__(params, lr=lr, betas=betas, weight_decay=weight_decay, step_in_backward=step_in_backward)
+
+    def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
+        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
+
+    @fast_step_entry
+    def step(self, closure: Optional[Callable[[], Any]] = None, grads: Any = None, output_params: Any = None,
+             scale: Any = None, grad_norms: Any = None, grad_scaler: Any = None) -> Any:
+        """One step. DeepSpeed's legacy arguments are rejected, as DeepSpeed's FusedLion does."""
+        if any(a is not None for a in (grads, output_params, scale, grad_norms)):
+            raise RuntimeError("FusedLion has been updated; call step() with no arguments except an optional closure")
+        return self._step(closure)
+
+
+class Adagrad(_FusedOptimizer):
+    """Drop-in for ``torch.optim.Adagrad``: same arguments and defaults, state ``sum`` in the
+    param's dtype, created when the optimizer is (as torch does), so state dicts move between the
+    two. ``foreach`` and ``fused`` are accepted and ignored (this is always fused);
+    ``differentiable=True`` is rejected; sparse gradients are rejected. ``maximize`` and
+    ``initial_accumulator_value`` are supported (a group's own value applies to its params).
+    Contract: ``contract.py``, Adagrad section.
+    """
+
+    _rule = "adagrad"
+    _state_dict_kind = validate.StateDictKind("Adagrad", ("lr_decay", "eps"), ("betas",), ("sum",))
+
+    def __init__(self, params: _Params, lr: float | torch.Tensor = 1e-2, lr_decay: float = 0,
+                 weight_decay: float = 0, initial_accumulator_value: float = 0, eps: float = 1e-10,
+                 foreach: Optional[bool] = None, *, maximize: bool = False, differentiable: bool = False,
+                 fused: Optional[bool] = None, step_in_backward: bool = False) -> None:
+        if differentiable:
+            _reject("differentiable", differentiable, "Adagrad", "Adagrad")
+        super().__init__(params, dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
+                                      initial_accumulator_value=initial_accumulator_value, eps=eps,
+                                      maximize=maximize), step_in_backward)
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state[p]
+                st["step"] = 0
+                st["sum"] = self._new_state(p, "sum", self._state_dtype(p), group)
+
+    def _check_group(self, group: dict[str, Any], where: str) -> None:
+        validate.check_adagrad_hyperparameters(group["lr"], group["lr_decay"], group["weight_decay"],
+                                               group["initial_accumulator_value"], group["eps"], where=where)
+
+    def _new_state(self, p: torch.Tensor, name: str, dtype: torch.dtype, group: dict[str, Any]) -> torch.Tensor:
+        return torch.full_like(p, float(group["initial_accumulator_value"]), dtype=dtype,
+                               memory_format=torch.preserve_format)
+
+    def _hyper(self, group: dict[str, Any], step: int) -> AdagradHyper:
+        return AdagradHyper(lr=float(group["lr"]), eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                            step=step, lr_decay=float(group["lr_decay"]), maximize=bool(group["maximize"]))

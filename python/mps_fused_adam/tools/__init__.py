@@ -1,0 +1,1 @@
+"""What the command line runs on top of the public API: the self-check and the benchmarks."""
