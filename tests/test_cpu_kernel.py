@@ -1,4 +1,4 @@
-"""The C++ CPU kernel against the independent reference (the README's "Numeric contract"), on every SIMD path
+"""The C++ CPU kernel against the independent reference (docs/numerics.md), on every SIMD path
 this CPU can run. Operation order and rounding are the same, so results must be bit-identical."""
 from __future__ import annotations
 

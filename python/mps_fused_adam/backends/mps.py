@@ -1,4 +1,4 @@
-"""Backends for MPS tensors: tiers 1 to 3 of the README's "Backends on MPS", all running metal/fused_adam.metal.
+"""Backends for MPS tensors: tiers 1 to 3 of docs/metal.md, all running metal/fused_adam.metal.
 
 1. ``_metal`` (Objective-C++ extension): one compute encoder per group on PyTorch's command buffer.
 2. ``torch.mps.load_metallib`` on the bundled ``fused_adam.metallib``: the same kernels, one

@@ -5,7 +5,7 @@ DeepSpeed's optimizers never call a kernel directly: ``FusedAdam`` calls
 ``CPUAdamBuilder().load().create_adam/adam_update/adam_rollback/destroy_adam(...)``.
 The two objects here have exactly those interfaces and forward every update to
 :func:`mps_fused_adam.backends.get_backend`, so the math is the package's numeric contract
-(the README's "Numeric contract") and nothing here does arithmetic of its own, except the rollback, which
+(docs/numerics.md) and nothing here does arithmetic of its own, except the rollback, which
 DeepSpeed defines as an algebraic inverse of the step and which no backend provides (it inverts
 the contract's step, from the contract's own host scalars).
 

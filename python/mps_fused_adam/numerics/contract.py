@@ -1,4 +1,4 @@
-"""The numeric contract's host side, version 2 (the README's "Numeric contract"), and the list of update rules.
+"""The numeric contract's host side, version 2 (docs/numerics.md), and the list of update rules.
 
 Two rules bind every implementation (C++ CPU kernel on every SIMD path, Metal kernel, Python
 reference, foreach tier, DeepSpeed facades):

@@ -1,7 +1,7 @@
 """The numeric contract of the low-bit rules: 8-bit block-wise Adam states and bf16 stochastic
 rounding (host side: constants, quantization maps, per-call scalars, the random-bit hash).
 
-Everything a kernel needs beyond the Adam contract (the README's "Numeric contract", version 2) is defined
+Everything a kernel needs beyond the Adam contract (docs/numerics.md, version 2) is defined
 here once; ``reference_lowbit.py`` states the per-element and per-block math in plain torch.
 
 8-bit states (``AdamW8bit``/``Adam8bit``), after Dettmers et al. 2021 and bitsandbytes 0.50:

@@ -1,4 +1,4 @@
-"""The numeric contract (version 2, the README's "Numeric contract") in plain torch: one function per update rule.
+"""The numeric contract (version 2, docs/numerics.md) in plain torch: one function per update rule.
 
 This is the independent reference: the tests, the self-check and nothing on the hot path use it.
 Every operation is a separate fp32 torch op, in the order the kernels use, so an fp32 kernel that

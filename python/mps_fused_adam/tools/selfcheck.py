@@ -3,7 +3,7 @@
 Each backend runs three steps of each update rule of contract.RULES (Adam, Lion, Adagrad), with
 the rule's example hyperparameters (contract.Example), and on the CPU kernel's SIMD paths and the
 Metal tiers also 8-bit Adam and bf16 stochastic rounding, in each mode, from the same start as
-the reference, and is judged by what the README promises for it:
+the reference, and is judged by what the docs promise for it (docs/cli.md):
 
 - on CPU (every SIMD path of the ``_cpu`` kernel, and the foreach tier) the results must equal the
   reference bit for bit;
@@ -52,7 +52,7 @@ class CheckResult:
     dtypes: str
     worst_in_eps: float  # worst |ours - ref| / (eps(dtype) * max|ref|) over all tensors and modes
     bit_exact: bool
-    exact_required: bool = False  # on CPU the README promises bit identity with the reference
+    exact_required: bool = False  # on CPU the contract promises bit identity with the reference
     worst_of_update: float = 0.0  # worst max|ours - ref| / max|ref - start| over the tensors
     bound: float = 8.0  # on worst_in_eps where bit identity is not required
     error: Optional[str] = None  # what the backend raised, if it did
