@@ -341,9 +341,10 @@ def test_each_backward_is_a_step():
     assert opt.state[p]["step"] == 2 and p.grad is None
 
 
-def test_deepcopy_hooks_its_own_params_and_a_dropped_optimizer_steps_nothing():
+@pytest.mark.parametrize("cls", [mfa.AdamW, mfa.AdamW8bit, mfa.CPUAdam, mfa.Lion, mfa.FusedLion, mfa.Adagrad])
+def test_deepcopy_hooks_its_own_params_and_a_dropped_optimizer_steps_nothing(cls):
     p = torch.nn.Parameter(torch.ones(4))
-    opt = mfa.AdamW([p], step_in_backward=True)
+    opt = cls([p], step_in_backward=True)
     (p * 2).sum().backward()
     twin = copy.deepcopy(opt)
     q = twin.param_groups[0]["params"][0]
