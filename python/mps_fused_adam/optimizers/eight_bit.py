@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from . import dtensor, validate
+from . import dtensor, in_backward, sr_seeds, validate
 from ..numerics import lowbit
 from ..numerics.contract import AdamHyper
 from ..numerics.lowbit import MIN_8BIT_SIZE, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE, num_blocks
@@ -68,11 +68,13 @@ def _check_group_options(group: dict[str, Any], where: str) -> None:
 
 class _Adam8bitBase(torch.optim.Optimizer):
     """Shared step of the 8-bit optimizers. Group keys: lr, betas, eps, weight_decay, adam_w_mode,
-    bias_correction, maximize, min_8bit_size, bf16_stochastic_round."""
+    bias_correction, maximize, min_8bit_size, bf16_stochastic_round. ``step_in_backward=True``:
+    each param stepped from its post-accumulate-grad hook by ``_step_one`` (in_backward.py)."""
 
-    def __init__(self, params: _Params, defaults: dict[str, Any]) -> None:
+    def __init__(self, params: _Params, defaults: dict[str, Any], step_in_backward: bool = False) -> None:
         validate.check_hyperparameters(defaults["lr"], defaults["betas"], defaults["eps"], defaults["weight_decay"])
         _check_group_options(defaults, type(self).__name__)
+        in_backward.setup(self, step_in_backward)  # before torch's __init__ adds (and so hooks) the groups
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -85,6 +87,7 @@ class _Adam8bitBase(torch.optim.Optimizer):
         try:
             _check_group_options(group, f"param_groups[{gi}]")
             validate.check_group_param_dtypes(group, gi)
+            in_backward.group_added(self, gi)
         except Exception:
             self.param_groups.pop()
             raise
@@ -95,7 +98,11 @@ class _Adam8bitBase(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         return _optimizer_method("state_dict")(self)
 
+    def __getstate__(self) -> dict[str, Any]:
+        return in_backward.getstate(self, super().__getstate__())
+
     def __setstate__(self, state: dict[str, Any]) -> None:
+        hooked = in_backward.take_state(state)
         super().__setstate__(state)
         for group in self.param_groups:  # state dicts of other optimizers lack our group keys
             for key, value in self.defaults.items():
@@ -103,6 +110,7 @@ class _Adam8bitBase(torch.optim.Optimizer):
                 # only, and a group gaining it would make a round trip change the state dict.
                 if key != "differentiable":
                     group.setdefault(key, value)
+        in_backward.restore(self, hooked)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of ours (``bnb_compat.from_bitsandbytes`` converts bitsandbytes').
@@ -149,25 +157,35 @@ class _Adam8bitBase(torch.optim.Optimizer):
             for key in FP32_KEYS:
                 st[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
         if group["bf16_stochastic_round"] and p.dtype == torch.bfloat16:
-            st[SEED_KEY] = lowbit.new_sr_seed()
+            st[SEED_KEY] = sr_seeds.param_seed(self, p)  # the same whatever order params are stepped in
         return st
 
     @fast_step_entry
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
+        in_backward.refuse_closure(self, closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._step_params((gi, group, enumerate(group["params"])) for gi, group in enumerate(self.param_groups))
+        return loss
+
+    def _step_one(self, gi: int, group: dict[str, Any], pi: int, p: torch.Tensor) -> None:
+        """Step ``group["params"][pi]`` alone (``step_in_backward``'s hook, in_backward.py)."""
+        self._step_params([(gi, group, [(pi, p)])])
+
+    def _step_params(self, selected: Iterable[tuple[int, dict[str, Any], Iterable[tuple[int, torch.Tensor]]]]) -> None:
+        """Step the ``(index, param)`` pairs of each ``(group index, group, pairs)`` of ``selected``."""
         work = []
-        for gi, group in enumerate(self.param_groups):
+        for gi, group, pairs in selected:
             validate.check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"],
                                            where=f"param_groups[{gi}]")
             _check_group_options(group, f"param_groups[{gi}]")
             names = group.get("param_names")
             dt_cls = dtensor.dtensor_type()
-            for pi, p in enumerate(group["params"]):
+            for pi, p in pairs:
                 if p.grad is None or p.numel() == 0:
                     continue
                 name = names[pi] if names else f"param_groups[{gi}]['params'][{pi}]"
@@ -202,7 +220,7 @@ class _Adam8bitBase(torch.optim.Optimizer):
             elif group["bf16_stochastic_round"] and p.dtype == torch.bfloat16 and SEED_KEY not in st:
                 # A state made without the option (a loaded or converted checkpoint, the option
                 # switched on later, a param cast to bf16 since): its seed now, as Adam's SR does.
-                st[SEED_KEY] = lowbit.new_sr_seed()
+                st[SEED_KEY] = sr_seeds.param_seed(self, p)
             st["step"] = step = int(st["step"]) + 1
             hp = hypers.get((id(group), step))
             if hp is None:
@@ -228,7 +246,6 @@ class _Adam8bitBase(torch.optim.Optimizer):
             ps = [m[0] for m in members]
             update_staged(backends[ps[0].device], "adam", ps, [p.grad for p in ps],
                           [[m[1]["exp_avg"] for m in members], [m[1]["exp_avg_sq"] for m in members]], members[0][2])
-        return loss
 
 
 _PARAM_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -371,13 +388,13 @@ class Adam8bit(_Adam8bitBase):
                  maximize: bool = False, foreach: Optional[bool] = None, capturable: bool = False,
                  differentiable: bool = False, fused: Optional[bool] = None,
                  decoupled_weight_decay: Optional[bool] = None, percentile_clipping: int = 100,
-                 block_wise: bool = True, bf16_stochastic_round: bool = False) -> None:
+                 block_wise: bool = True, bf16_stochastic_round: bool = False, step_in_backward: bool = False) -> None:
         _check_torch_options(self._name, amsgrad, capturable, differentiable)
         _check_bnb_options(self._name, optim_bits, args, is_paged, percentile_clipping, block_wise)
         decoupled = self._decoupled_default if decoupled_weight_decay is None else bool(decoupled_weight_decay)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam_w_mode=decoupled,
                                       bias_correction=True, maximize=maximize, min_8bit_size=int(min_8bit_size),
-                                      bf16_stochastic_round=bool(bf16_stochastic_round)))
+                                      bf16_stochastic_round=bool(bf16_stochastic_round)), step_in_backward)
 
 
 class AdamW8bit(Adam8bit):
@@ -393,11 +410,12 @@ class AdamW8bit(Adam8bit):
                  args: Any = None, min_8bit_size: int = MIN_8BIT_SIZE, is_paged: bool = False, *,
                  maximize: bool = False, foreach: Optional[bool] = None, capturable: bool = False,
                  differentiable: bool = False, fused: Optional[bool] = None, percentile_clipping: int = 100,
-                 block_wise: bool = True, bf16_stochastic_round: bool = False) -> None:
+                 block_wise: bool = True, bf16_stochastic_round: bool = False, step_in_backward: bool = False) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, optim_bits, args, min_8bit_size, is_paged,
                          maximize=maximize, capturable=capturable, differentiable=differentiable,
                          decoupled_weight_decay=True, percentile_clipping=percentile_clipping,
-                         block_wise=block_wise, bf16_stochastic_round=bf16_stochastic_round)
+                         block_wise=block_wise, bf16_stochastic_round=bf16_stochastic_round,
+                         step_in_backward=step_in_backward)
 
 
 def state_bytes_per_param(opt: torch.optim.Optimizer) -> float:

@@ -9,13 +9,14 @@ object, and its signature; nothing else.
 """
 from __future__ import annotations
 
+import functools
 import operator
 import sys
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from . import dtensor, step_counts, step_plan, torch_args, validate
+from . import dtensor, in_backward, sr_seeds, step_counts, step_plan, torch_args, validate
 from .step_entry import fast_step_entry
 from ..backends import SUPPORTED_DTYPES, get_backend, update_staged
 from ..numerics.contract import RULES, AdagradHyper, AdamHyper, LionHyper
@@ -77,7 +78,8 @@ def _materialised(g: torch.Tensor) -> torch.Tensor:
 class _FusedOptimizer(torch.optim.Optimizer):
     """Shared machinery for every rule. A subclass sets ``_rule`` and implements ``_check_group``
     and ``_hyper`` (and ``_new_state`` when a state does not start at 0); the state names are the
-    rule's (``contract.RULES``)."""
+    rule's (``contract.RULES``). Every public class takes ``step_in_backward=True``: each param is
+    then stepped from its post-accumulate-grad hook by ``_step_one`` (in_backward.py)."""
 
     # The update rule (contract.RULES) every step of this class runs.
     _rule = "adam"
@@ -90,9 +92,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _state_names(self) -> tuple[str, ...]:
         return RULES[self._rule].states
 
-    def __init__(self, params: _Params, defaults: dict[str, Any]) -> None:
+    def __init__(self, params: _Params, defaults: dict[str, Any], step_in_backward: bool = False) -> None:
         self._check_group(defaults, "")
         self._group_defaults = dict(defaults)  # what __setstate__ fills groups from (not torch's additions)
+        in_backward.setup(self, step_in_backward)  # before torch's __init__ adds (and so hooks) the groups
         super().__init__(params, defaults)
 
     def _check_group(self, group: dict[str, Any], where: str) -> None:
@@ -113,6 +116,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         gi = len(self.param_groups) - 1
         try:
             validate.check_group_param_dtypes(self.param_groups[gi], gi)
+            in_backward.group_added(self, gi, self._device_type)
         except Exception:
             self.param_groups.pop()
             raise
@@ -139,10 +143,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
         state = super().__getstate__()
         state["mps_fused_adam_config"] = {k: getattr(self, k) for k in self._config_attributes}
         state["mps_fused_adam_config"]["_group_defaults"] = self.__dict__.get("_group_defaults")
-        return state
+        return in_backward.getstate(self, state)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         config = state.pop("mps_fused_adam_config", None)
+        hooked = in_backward.take_state(state)
         # Our own defaults as the constructor made them, not with the key torch's __setstate__ adds
         # to them ('differentiable'): only these are group keys of ours, so a round trip or a deep
         # copy leaves the groups' keys as they were. (A pickle made before they were kept: its
@@ -158,6 +163,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             # A state dict from torch.optim lacks our group keys: take them from our defaults.
             for key, value in ours.items():
                 group.setdefault(key, value)
+        in_backward.restore(self, hooked)
 
     def _adopt_group_keys(self, group: dict[str, Any]) -> None:
         """A loaded group of the optimizer we stand in for may say under its own name what ours
@@ -221,6 +227,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _step(self, closure: Optional[Callable[[], Any]]) -> Any:
         # The step itself; `step` is its entry (torch's hooks and profiler range: step_entry.py),
         # which subclasses that take more arguments (FusedAdam, FusedLion) replace.
+        in_backward.refuse_closure(self, closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -252,6 +259,15 @@ class _FusedOptimizer(torch.optim.Optimizer):
         if replan:
             self._replan(plans, replan)
         return loss
+
+    def _step_one(self, gi: int, group: dict[str, Any], pi: int, p: torch.Tensor) -> None:
+        """Step ``group["params"][pi]`` alone (``step_in_backward``'s hook, in_backward.py): the
+        full path's validation, state creation and kernel, over a group of this one param."""
+        self._check_group(group, f"param_groups[{gi}]")
+        one = dict(group)
+        one["params"] = [p]
+        one["param_names"] = [self._param_name(group, gi, pi)]
+        self._step_full(*self._plan_group(gi, one, [self.state.get(p) or None]))
 
     def _step_planned(self, group: dict[str, Any], plan: step_plan.Plan, planned: list) -> None:
         plan.uses += 1
@@ -290,7 +306,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 st["step"] = step
             if sr and pdtype is torch.bfloat16:
                 # Only the Adam rule has this option (_AdamBase's group key).
-                _stochastic_round_step(device, *bucket, self._hyper(group, step))
+                _stochastic_round_step(device, *bucket, self._hyper(group, step),
+                                       functools.partial(sr_seeds.param_seed, self))
             else:
                 update_staged(get_backend(device), self._rule, bucket[0], bucket[1], list(bucket[2:-1]),
                               self._hyper(group, step))
@@ -323,11 +340,13 @@ class _FusedOptimizer(torch.optim.Optimizer):
         pnames = group.get("param_names")
         return pnames[pi] if pnames else f"param_groups[{gi}]['params'][{pi}]"
 
-    def _plan_group(self, gi: int, group: dict[str, Any]) -> tuple[dict[str, Any], list, dict]:
+    def _plan_group(self, gi: int, group: dict[str, Any], slots: Optional[list] = None
+                    ) -> tuple[dict[str, Any], list, dict]:
         """Validate one group; return it, its params that need new state, and its kernel calls
-        keyed by (device, param dtype, state dtype, step count so far)."""
+        keyed by (device, param dtype, state dtype, step count so far). ``slots``: the params'
+        states, when not the group's cached ones (``_step_one``)."""
         params = group["params"]
-        slots = self._slots(gi, params)
+        slots = self._slots(gi, params) if slots is None else slots
         supported, strided, only = SUPPORTED_DTYPES, torch.strided, self._device_type
         names = self._state_names
         nlists = len(names) + 3
@@ -445,19 +464,19 @@ class _AdamBase(_FusedOptimizer):
 
 
 def _stochastic_round_step(device: torch.device, ps: list, gs: list, ms: list, vs: list, states: list,
-                           hp: AdamHyper) -> None:
+                           hp: AdamHyper, seed_of: Callable[[torch.Tensor], int]) -> None:
     """Adam with bf16 params stored by stochastic rounding (lowbit.py's contract): the CPU kernel
     for contiguous CPU tensors, the Metal kernels ``fused_adam_sr_bfloat_*`` on the Metal tiers
     (one dispatch per tensor: the key is per tensor), else the plain-torch reference one tensor
-    at a time. Each param gets its own 64-bit seed in its state (``sr_seed``) on its first such
-    step."""
+    at a time. Each param gets its own 64-bit seed in its state (``sr_seed``), ``seed_of(param)``
+    (sr_seeds.py: independent of the order params are stepped in), on its first such step."""
     from ..numerics import lowbit
     from ..backends import CPUBackend
     from ..backends.mps import MetalExtBackend, ShaderLibraryBackend
     from ..numerics.reference_lowbit import reference_adam_sr_
-    for st in states:
+    for p, st in zip(ps, states):
         if "sr_seed" not in st:
-            st["sr_seed"] = lowbit.new_sr_seed()
+            st["sr_seed"] = seed_of(p)
     keys = [lowbit.sr_key(int(st["sr_seed"]), hp.step) for st in states]
     backend = get_backend(device)
     if isinstance(backend, CPUBackend) and all(t.is_contiguous() for lst in (ps, gs, ms, vs) for t in lst):
@@ -501,7 +520,8 @@ class Adam(_AdamBase):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0,
                  amsgrad: bool = False, *, foreach: Optional[bool] = None, maximize: bool = False,
                  capturable: bool = False, differentiable: bool = False, fused: Optional[bool] = None,
-                 decoupled_weight_decay: bool = False, bf16_stochastic_round: bool = False) -> None:
+                 decoupled_weight_decay: bool = False, bf16_stochastic_round: bool = False,
+                 step_in_backward: bool = False) -> None:
         betas = torch_args.check_adam_args(lr, betas, eps, weight_decay, foreach, capturable)
         torch_args.check_fused_flags(fused, foreach, differentiable)  # before our refusal of differentiable
         # torch's group keys and only those, kept as given (foreach and fused change nothing here),
@@ -513,7 +533,7 @@ class Adam(_AdamBase):
                         decoupled_weight_decay=bool(decoupled_weight_decay))
         if bf16_stochastic_round:
             defaults["bf16_stochastic_round"] = True
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, step_in_backward)
 
     def _check_group(self, group: dict[str, Any], where: str) -> None:
         super()._check_group(group, where)
@@ -529,10 +549,11 @@ class AdamW(Adam):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
                  amsgrad: bool = False, *, maximize: bool = False, foreach: Optional[bool] = None,
                  capturable: bool = False, differentiable: bool = False, fused: Optional[bool] = None,
-                 bf16_stochastic_round: bool = False) -> None:
+                 bf16_stochastic_round: bool = False, step_in_backward: bool = False) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          foreach=foreach, maximize=maximize, capturable=capturable, differentiable=differentiable,
-                         fused=fused, decoupled_weight_decay=True, bf16_stochastic_round=bf16_stochastic_round)
+                         fused=fused, decoupled_weight_decay=True, bf16_stochastic_round=bf16_stochastic_round,
+                         step_in_backward=step_in_backward)
 
 
 class FusedAdam(_AdamBase):
@@ -543,13 +564,13 @@ class FusedAdam(_AdamBase):
     def __init__(self, params: _Params, lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
                  weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True,
-                 bf16_stochastic_round: bool = False) -> None:
+                 bf16_stochastic_round: bool = False, *, step_in_backward: bool = False) -> None:
         if amsgrad:
             raise ValueError("FusedAdam does not support the AMSGrad variant (amsgrad=True)")
         self.set_grad_none = set_grad_none
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                       adam_w_mode=adam_w_mode, bias_correction=bias_correction, maximize=False,
-                                      bf16_stochastic_round=bool(bf16_stochastic_round)))
+                                      bf16_stochastic_round=bool(bf16_stochastic_round)), step_in_backward)
 
     _config_attributes = ("set_grad_none",)
 
@@ -579,12 +600,14 @@ class CPUAdam(_AdamBase):
 
     def __init__(self, model_params: _Params, lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0,
-                 amsgrad: bool = False, adamw_mode: bool = True, fp32_optimizer_states: bool = True) -> None:
+                 amsgrad: bool = False, adamw_mode: bool = True, fp32_optimizer_states: bool = True, *,
+                 step_in_backward: bool = False) -> None:
         if amsgrad:
             raise ValueError("CPUAdam does not support the AMSGrad variant (amsgrad=True)")
         self.fp32_optimizer_states = fp32_optimizer_states
         super().__init__(model_params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                            adam_w_mode=adamw_mode, bias_correction=bias_correction, maximize=False))
+                                            adam_w_mode=adamw_mode, bias_correction=bias_correction, maximize=False),
+                         step_in_backward)
 
     @property
     def _fixed_state_dtype(self) -> Optional[torch.dtype]:  # type: ignore[override]
@@ -604,7 +627,8 @@ class Lion(_FusedOptimizer):
     _config_attributes = ("_init_lr", "decoupled_wd")
 
     def __init__(self, params: _Params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
-                 weight_decay: float = 0.0, use_triton: bool = False, decoupled_weight_decay: bool = False) -> None:
+                 weight_decay: float = 0.0, use_triton: bool = False, decoupled_weight_decay: bool = False, *,
+                 step_in_backward: bool = False) -> None:
         # Checked before float(lr) below, so a 2-element Tensor lr gets torch's message.
         validate.check_lion_hyperparameters(lr, betas, weight_decay)
         if decoupled_weight_decay and not float(lr) > 0:
@@ -612,7 +636,7 @@ class Lion(_FusedOptimizer):
                              f"which must be > 0; got lr={float(lr)}")
         self._init_lr = float(lr)
         self.decoupled_wd = bool(decoupled_weight_decay)
-        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay), step_in_backward)
 
     def _check_group(self, group: dict[str, Any], where: str) -> None:
         validate.check_lion_hyperparameters(group["lr"], group["betas"], group["weight_decay"], where=where)
@@ -631,9 +655,9 @@ class FusedLion(Lion):
     _config_attributes = Lion._config_attributes + ("set_grad_none",)
 
     def __init__(self, params: _Params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 weight_decay: float = 0.0, set_grad_none: bool = True) -> None:
+                 weight_decay: float = 0.0, set_grad_none: bool = True, *, step_in_backward: bool = False) -> None:
         self.set_grad_none = set_grad_none
-        super().__init__(params, lr=lr, betas=betas, weight_decay=weight_decay)
+        super().__init__(params, lr=lr, betas=betas, weight_decay=weight_decay, step_in_backward=step_in_backward)
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
@@ -662,12 +686,13 @@ class Adagrad(_FusedOptimizer):
     def __init__(self, params: _Params, lr: float | torch.Tensor = 1e-2, lr_decay: float = 0,
                  weight_decay: float = 0, initial_accumulator_value: float = 0, eps: float = 1e-10,
                  foreach: Optional[bool] = None, *, maximize: bool = False, differentiable: bool = False,
-                 fused: Optional[bool] = None) -> None:
+                 fused: Optional[bool] = None, step_in_backward: bool = False) -> None:
         torch_args.check_adagrad_args(lr, lr_decay, weight_decay, initial_accumulator_value, eps)
         torch_args.check_fused_flags(fused, foreach, differentiable)  # before our refusal of differentiable
         super().__init__(params, dict(lr=lr, lr_decay=lr_decay, eps=eps, weight_decay=weight_decay,
                                       initial_accumulator_value=initial_accumulator_value, foreach=foreach,
-                                      maximize=maximize, differentiable=differentiable, fused=fused))
+                                      maximize=maximize, differentiable=differentiable, fused=fused),
+                         step_in_backward)
         for group in self.param_groups:
             for p in group["params"]:
                 st = self.state[p]
