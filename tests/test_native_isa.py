@@ -70,7 +70,8 @@ def test_x86_build_matches_scalar_natively(tmp_path, isa):
         pytest.skip(f"an x86-64 build; this machine is {platform.machine()}")
     missing = X86_NEEDS[isa] - _cpu_flags()
     if missing:
-        pytest.skip(f"this CPU lacks {sorted(missing)}, which the {isa} build needs")
+        cpu = "CPU with AVX-512" if isa.startswith("avx512") else "CPU with AVX2"
+        pytest.skip(f"this CPU lacks {sorted(missing)}, which the {isa} build needs (a {cpu} runs it)")
     [cxx] = require_tool("g++")
     base = [cxx, *[f for f in FLAGS if f != "-static"], f"-I{SRC}"]
     objs = []
