@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -20,6 +21,7 @@ struct Runtime {
   void (*parallel)(void (*fn)(void*), void* data, unsigned num_threads, unsigned flags) = nullptr;
   int (*thread_num)() = nullptr;
   int (*num_threads)() = nullptr;
+  int (*max_threads)() = nullptr;
   std::string path;
 };
 
@@ -64,7 +66,9 @@ void resolve() {
   rt.parallel = reinterpret_cast<decltype(rt.parallel)>(dlsym(lib, "GOMP_parallel"));
   rt.thread_num = reinterpret_cast<decltype(rt.thread_num)>(dlsym(lib, "omp_get_thread_num"));
   rt.num_threads = reinterpret_cast<decltype(rt.num_threads)>(dlsym(lib, "omp_get_num_threads"));
-  if (rt.parallel == nullptr || rt.thread_num == nullptr || rt.num_threads == nullptr) return;
+  rt.max_threads = reinterpret_cast<decltype(rt.max_threads)>(dlsym(lib, "omp_get_max_threads"));
+  if (rt.parallel == nullptr || rt.thread_num == nullptr || rt.num_threads == nullptr || rt.max_threads == nullptr)
+    return;
   rt.path = path;
   g_rt = rt;
 #endif
@@ -90,7 +94,12 @@ bool run_on_torch_openmp(int n, ParallelTask task, void* ctx) {
   std::call_once(g_once, resolve);
   if (!borrowable()) return false;
   Job job{n, task, ctx};
-  g_rt.parallel(team_member, &job, static_cast<unsigned>(n), 0);
+  // The team is torch's own size even when fewer members have work (team_member leaves the rest
+  // idle): a region of another size makes libgomp resize its team, and again at torch's next
+  // region. Interleaved with autograd's kernels (step_in_backward: one small step per param)
+  // that cost about 0.4 ms per step on a 16-core Xeon (docs/experiments.md, "OpenMP team size").
+  const unsigned team = static_cast<unsigned>(std::max(n, g_rt.max_threads()));
+  g_rt.parallel(team_member, &job, team, 0);
   return true;
 }
 
