@@ -155,6 +155,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         ours = (self.__dict__.get("_group_defaults") or (config or {}).get("_group_defaults")
                 or dict(state.get("defaults", {})))
         super().__setstate__(state)
+        self.__dict__.pop("_one_plans", None)  # torch's load_state_dict comes here: the old states go
         self._group_defaults = ours
         if config is not None:
             self.__dict__.update(config)
@@ -261,13 +262,38 @@ class _FusedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step_one(self, gi: int, group: dict[str, Any], pi: int, p: torch.Tensor) -> None:
-        """Step ``group["params"][pi]`` alone (``step_in_backward``'s hook, in_backward.py): the
-        full path's validation, state creation and kernel, over a group of this one param."""
+        """Step ``group["params"][pi]`` alone (``step_in_backward``'s hook, in_backward.py).
+
+        The first time, and whenever anything changed: the full path's validation, state creation
+        and kernel, over a group of this one param, after which the param gets a plan of its own
+        (step_plan.py, as a group gets in ``step()``). Later hooks prove that plan in C++ and run the
+        same kernel call: the full path's Python (about 40 us a param on a 2-core Xeon) was what made
+        a small model's in-backward step slower than the grouped one."""
         self._check_group(group, f"param_groups[{gi}]")
+        sr = bool(group.get("bf16_stochastic_round"))  # a fresh key per step: never planned (step())
+        plans = self.__dict__.setdefault("_one_plans", {})
+        entry = plans.get(id(p))
+        if entry is not None and not sr:
+            plan, state, st, state_dtype = entry
+            # The plan holds p, so id(p) is still p's; self.state replaced (load_state_dict) or p's
+            # state dict replaced: the full path. An emptied or edited state dict fails the check.
+            if (plan.params[0] is p and state is self.state and state_dtype == self._fixed_state_dtype
+                    and self.state.get(p) is st):
+                planned = step_plan.check(plan, plan.params)
+                if planned is not None:
+                    self._step_planned(group, plan, planned)
+                    return
         one = dict(group)
         one["params"] = [p]
         one["param_names"] = [self._param_name(group, gi, pi)]
         self._step_full(*self._plan_group(gi, one, [self.state.get(p) or None]))
+        native = step_plan.native()
+        plan = step_plan.build(native, one["params"], self.state, self._state_names) \
+            if native is not None and not sr else None
+        if plan is not None and plan.buckets:
+            plans[id(p)] = (plan, self.state, self.state.get(p), self._fixed_state_dtype)
+        else:
+            plans.pop(id(p), None)
 
     def _step_planned(self, group: dict[str, Any], plan: step_plan.Plan, planned: list) -> None:
         plan.uses += 1

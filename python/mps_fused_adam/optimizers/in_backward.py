@@ -100,8 +100,12 @@ def _hook(ref: "weakref.ref[torch.optim.Optimizer]", p: torch.Tensor) -> None:
     if hooks is None:
         return
     gi, pi, group = hooks.locate(opt, p)
-    with torch.no_grad():
-        opt._step_one(gi, group, pi, p)  # raises naming the param; the grad is then left in place
+    # Autograd runs hooks with grad mode off unless backward(create_graph=True): no context then.
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            opt._step_one(gi, group, pi, p)  # raises naming the param; the grad is then left in place
+    else:
+        opt._step_one(gi, group, pi, p)
     p.grad = None
 
 
@@ -172,4 +176,5 @@ def remove_hooks(opt: torch.optim.Optimizer) -> None:
     if hooks is not None:
         hooks.remove()
         opt.__dict__[ATTRIBUTE] = None
+        opt.__dict__.pop("_one_plans", None)  # the hooks' per-param plans (_step_one) hold params and states
 
