@@ -1,0 +1,148 @@
+"""The per-param step plans of ``step_in_backward=True`` (``_FusedOptimizer._step_one``).
+
+From its second step each hooked param is stepped through a plan of its own, proved in C++
+(step_plan.py), instead of the full Python path. These tests change, between steps, everything a
+plan records (a state tensor, the whole state, a state dict emptied, the param's storage, the
+learning rate) and require the result to be bit for bit the plain optimizer's under the same
+changes; and they check that the plans were used at all, so the comparison covers them.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+import mps_fused_adam as mfa
+from mps_fused_adam import backends
+from mps_fused_adam.numerics.contract import RULES, AdamHyper
+from mps_fused_adam.optimizers import in_backward
+
+pytest.importorskip("mps_fused_adam._cpu", reason="the plans' checks are in the _cpu extension")
+
+
+def make_model(dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)).to(dtype)
+
+
+def scale_state(opt: torch.optim.Optimizer, p: torch.Tensor) -> None:
+    st = opt.state[p]
+    name = next(k for k, v in st.items() if isinstance(v, torch.Tensor) and v.shape == p.shape)
+    st[name] = st[name] * 0.5  # a new tensor at a new address
+
+
+def reload_scaled(opt: torch.optim.Optimizer, p: torch.Tensor) -> None:
+    sd = copy.deepcopy(opt.state_dict())
+    for entry in sd["state"].values():
+        for k, v in entry.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                entry[k] = v * 0.75
+    opt.load_state_dict(sd)
+
+
+def new_storage(opt: torch.optim.Optimizer, p: torch.Tensor) -> None:
+    p.data = p.data.clone() + 0.25
+
+
+def empty_state(opt: torch.optim.Optimizer, p: torch.Tensor) -> None:
+    opt.state[p].clear()  # torch takes an emptied state dict as no state: a fresh start for p
+
+
+def halve_lr(opt: torch.optim.Optimizer, p: torch.Tensor) -> None:
+    for group in opt.param_groups:
+        group["lr"] = group["lr"] * 0.5
+
+
+CHANGES = [scale_state, reload_scaled, new_storage, empty_state, halve_lr]
+CASES = [(mfa.AdamW, {}, torch.float32), (mfa.AdamW, {}, torch.bfloat16), (mfa.Adam, dict(weight_decay=0.1), torch.float32),
+         (mfa.CPUAdam, {}, torch.bfloat16), (mfa.Lion, {}, torch.float32), (mfa.Adagrad, {}, torch.float32)]
+
+
+def run(cls, kw, dtype, on: bool, change) -> tuple[torch.optim.Optimizer, list]:
+    model = make_model(dtype)
+    opt = cls(model.parameters(), lr=1e-2, step_in_backward=on, **kw)
+    target = model[2].weight
+    gen = torch.Generator().manual_seed(3)
+    for i in range(6):
+        x = torch.randn(4, 16, generator=gen).to(dtype)
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 2:
+            change(opt, target)
+    return opt, list(model.parameters())
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("change", CHANGES, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls,kw,dtype", CASES, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_a_change_between_steps_gives_the_plain_result(cls, kw, dtype, change):
+    ref, pr = run(cls, kw, dtype, False, change)
+    got, pg = run(cls, kw, dtype, True, change)
+    for p, q in zip(pg, pr):
+        assert torch.equal(bits(p), bits(q)), p.shape
+        sa, sb = got.state[p], ref.state[q]
+        assert sorted(sa) == sorted(sb)
+        for k, v in sa.items():
+            assert torch.equal(bits(v), bits(sb[k])) if isinstance(v, torch.Tensor) else v == sb[k], k
+    # The plans served the steps after the first (and again after the change sent a param back
+    # through the full path): otherwise this compared the full path with itself.
+    plans = got.__dict__.get("_one_plans", {})
+    assert len(plans) == len(pg)
+    assert sum(entry[0].uses for entry in plans.values()) >= len(pg)
+
+
+def test_stochastic_rounding_groups_are_not_planned():
+    """Their key changes every step, which a plan does not carry (as in step())."""
+    model = make_model(torch.bfloat16)
+    opt = mfa.AdamW(model.parameters(), bf16_stochastic_round=True, step_in_backward=True)
+    for _ in range(3):
+        model(torch.randn(4, 16).bfloat16()).float().pow(2).mean().backward()
+    assert not opt.__dict__.get("_one_plans")
+
+
+def test_a_bad_grad_after_planned_steps_raises_naming_the_param():
+    layer = torch.nn.Linear(8, 8, bias=False)
+    opt = mfa.AdamW([layer.weight], step_in_backward=True)
+    for _ in range(2):
+        layer(torch.randn(2, 8)).sum().backward()
+    assert opt._one_plans
+    before = bits(layer.weight).clone()
+    layer.weight.grad_dtype = None  # lets autograd accumulate into a grad of another dtype (torch 2.13)
+    layer.weight.grad = torch.zeros(8, 8, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] \(shape \(8, 8\), float32, cpu\): "
+                                         r"grad dtype torch.float16 does not match; expected torch.float32"):
+        layer(torch.randn(2, 8)).sum().backward()
+    assert torch.equal(bits(layer.weight), before) and int(opt.state[layer.weight]["step"]) == 2
+
+
+def test_removing_the_hooks_or_loading_drops_the_plans():
+    """A plan holds its param and states: load_state_dict and remove_hooks let them go."""
+    layer = torch.nn.Linear(8, 8)
+    opt = mfa.AdamW(layer.parameters(), step_in_backward=True)
+    for _ in range(2):
+        layer(torch.randn(2, 8)).sum().backward()
+    assert len(opt._one_plans) == 2
+    opt.load_state_dict(opt.state_dict())
+    assert not opt.__dict__.get("_one_plans")
+    layer(torch.randn(2, 8)).sum().backward()
+    assert len(opt._one_plans) == 2
+    in_backward.remove_hooks(opt)
+    assert not opt.__dict__.get("_one_plans")
+
+
+@pytest.mark.parametrize("zero", [0.0, -0.0])
+def test_packed_scalars_keep_the_sign_of_a_zero(zero):
+    """The memo of packed scalars (backends.packed_scalars) takes AdamHyper's equality, in which
+    -0.0 == 0.0; the kernels read the bits, so each sign gets its own entry."""
+    other = -zero
+    for wd in (other, zero):
+        for lr in (1e-3, other, zero):
+            hp = AdamHyper(lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=wd, step=3, adam_w_mode=False)
+            assert backends.packed_scalars("adam", hp) == RULES["adam"].pack(hp)
+    assert math.copysign(1.0, zero) != math.copysign(1.0, other)
