@@ -1,7 +1,8 @@
-"""The per-param step plans of ``step_in_backward=True`` (``_FusedOptimizer._step_one``).
+"""The fast single-param steps of ``step_in_backward=True`` (the classes' ``_step_one``).
 
 From its second step each hooked param is stepped through a plan of its own, proved in C++
-(step_plan.py), instead of the full Python path. These tests change, between steps, everything a
+(step_plan.py), instead of the full Python path; the 8-bit classes prove the common case with one
+expression (``eight_bit._plain_8bit_cpu``). These tests change, between steps, everything a
 plan records (a state tensor, the whole state, a state dict emptied, the param's storage, the
 learning rate) and require the result to be bit for bit the plain optimizer's under the same
 changes; and they check that the plans were used at all, so the comparison covers them.
@@ -30,14 +31,15 @@ def make_model(dtype: torch.dtype) -> torch.nn.Module:
 def scale_state(opt: torch.optim.Optimizer, p: torch.Tensor) -> None:
     st = opt.state[p]
     name = next(k for k, v in st.items() if isinstance(v, torch.Tensor) and v.shape == p.shape)
-    st[name] = st[name] * 0.5  # a new tensor at a new address
+    # A new tensor at a new address (8-bit codes: the same codes, moved).
+    st[name] = st[name].clone() if st[name].dtype is torch.uint8 else st[name] * 0.5
 
 
 def reload_scaled(opt: torch.optim.Optimizer, p: torch.Tensor) -> None:
     sd = copy.deepcopy(opt.state_dict())
     for entry in sd["state"].values():
         for k, v in entry.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.is_floating_point():
                 entry[k] = v * 0.75
     opt.load_state_dict(sd)
 
@@ -57,12 +59,26 @@ def halve_lr(opt: torch.optim.Optimizer, p: torch.Tensor) -> None:
 
 CHANGES = [scale_state, reload_scaled, new_storage, empty_state, halve_lr]
 CASES = [(mfa.AdamW, {}, torch.float32), (mfa.AdamW, {}, torch.bfloat16), (mfa.Adam, dict(weight_decay=0.1), torch.float32),
-         (mfa.CPUAdam, {}, torch.bfloat16), (mfa.Lion, {}, torch.float32), (mfa.Adagrad, {}, torch.float32)]
+         (mfa.CPUAdam, {}, torch.bfloat16), (mfa.Lion, {}, torch.float32), (mfa.Adagrad, {}, torch.float32),
+         (mfa.AdamW8bit, dict(min_8bit_size=64), torch.float32),
+         (mfa.AdamW8bit, dict(min_8bit_size=64, bf16_stochastic_round=True), torch.bfloat16),
+         (mfa.Adam8bit, dict(min_8bit_size=64, weight_decay=0.1), torch.bfloat16)]
+EIGHT_BIT = (mfa.AdamW8bit, mfa.Adam8bit)
 
 
 def run(cls, kw, dtype, on: bool, change) -> tuple[torch.optim.Optimizer, list]:
     model = make_model(dtype)
+    torch.manual_seed(7)  # the stochastic-rounding seeds
     opt = cls(model.parameters(), lr=1e-2, step_in_backward=on, **kw)
+    if on and cls in EIGHT_BIT:  # count the params that took the full path
+        full = opt._step_params
+        opt.full_path_params = 0
+
+        def counted(selected):
+            selected = [(gi, group, list(pairs)) for gi, group, pairs in selected]
+            opt.full_path_params += sum(p.grad is not None for _, _, pairs in selected for _, p in pairs)
+            full(selected)
+        opt._step_params = counted
     target = model[2].weight
     gen = torch.Generator().manual_seed(3)
     for i in range(6):
@@ -90,11 +106,17 @@ def test_a_change_between_steps_gives_the_plain_result(cls, kw, dtype, change):
         assert sorted(sa) == sorted(sb)
         for k, v in sa.items():
             assert torch.equal(bits(v), bits(sb[k])) if isinstance(v, torch.Tensor) else v == sb[k], k
-    # The plans served the steps after the first (and again after the change sent a param back
-    # through the full path): otherwise this compared the full path with itself.
-    plans = got.__dict__.get("_one_plans", {})
-    assert len(plans) == len(pg)
-    assert sum(entry[0].uses for entry in plans.values()) >= len(pg)
+    # The fast path served the steps after the first (and again after the change sent a param
+    # back through the full path): otherwise this compared the full path with itself.
+    if cls in EIGHT_BIT:
+        # The first step's, and after the change the changed param's (every param's after a reload).
+        # bf16 params with fp32 moments and stochastic rounding always take it.
+        always = sum(1 for p in pg if p.numel() < 64) if kw.get("bf16_stochastic_round") else 0
+        assert got.full_path_params <= 2 * len(pg) + 6 * always
+    else:
+        plans = got.__dict__.get("_one_plans", {})
+        assert len(plans) == len(pg)
+        assert sum(entry[0].uses for entry in plans.values()) >= len(pg)
 
 
 def test_stochastic_rounding_groups_are_not_planned():
@@ -118,6 +140,19 @@ def test_a_bad_grad_after_planned_steps_raises_naming_the_param():
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] \(shape \(8, 8\), float32, cpu\): "
                                          r"grad dtype torch.float16 does not match; expected torch.float32"):
         layer(torch.randn(2, 8)).sum().backward()
+    assert torch.equal(bits(layer.weight), before) and int(opt.state[layer.weight]["step"]) == 2
+
+
+def test_a_bad_8bit_state_after_fast_steps_raises_naming_the_param():
+    layer = torch.nn.Linear(16, 16, bias=False)
+    opt = mfa.AdamW8bit([layer.weight], step_in_backward=True, min_8bit_size=64)
+    for _ in range(2):
+        layer(torch.randn(2, 16)).sum().backward()
+    before = bits(layer.weight).clone()
+    opt.state[layer.weight]["exp_avg_absmax"] = torch.zeros(3)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] \(shape \(16, 16\), float32, cpu\): "
+                                         r"optimizer state 'exp_avg_absmax' is .*expected shape \(1,\)"):
+        layer(torch.randn(2, 16)).sum().backward()
     assert torch.equal(bits(layer.weight), before) and int(opt.state[layer.weight]["step"]) == 2
 
 
