@@ -317,7 +317,8 @@ def test_state_dict_survives_weights_only_load_and_deepcopy_keeps_public_attrs(c
     for k, st in sd["state"].items():
         assert back["state"][k].keys() == st.keys()
         for name, t in st.items():
-            assert torch.equal(back["state"][k][name], t) if isinstance(t, torch.Tensor) else back["state"][k][name] == t
+            got = back["state"][k][name]
+            assert torch.equal(got, t) if isinstance(t, torch.Tensor) else got == t
     public = {k for k in opt.__dict__ if not k.startswith("_")}
     assert public == {k for k in copy.deepcopy(opt).__dict__ if not k.startswith("_")}
 
