@@ -24,7 +24,7 @@ exits 1 if there is any.
 Checks, each a function of plain text or bytes so the tests can feed it a doctored copy:
 
 torch wheel (``check_torch_wheel``)
-  - ``torch/lib/libtorch_cpu.dylib`` exports the three ``torch::mps`` functions under exactly the
+  - ``torch/lib/libtorch_cpu.dylib`` exports the ``torch::mps`` functions under exactly the
     names ``src/metal/metal_adam.mm`` passes to ``dlsym`` (Mach-O adds one leading underscore);
   - that dylib's install name ends with the image-name suffix the ``.mm`` searches for;
   - ``torch/mps/__init__.py`` has ``compile_shader(source)`` (and ``load_metallib(source)``,

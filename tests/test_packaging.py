@@ -64,6 +64,13 @@ def test_console_script_is_the_main_command():
                        timeout=120)
     assert a.returncode == b.returncode == 0, a.stderr + b.stderr
     assert a.stdout == b.stdout and a.stdout.strip()
+    # Its usage line names it as typed, the module form names itself.
+    a = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
+    b = subprocess.run([sys.executable, "-m", "mps_fused_adam", "--help"], capture_output=True, text=True,
+                       timeout=120)
+    assert a.returncode == b.returncode == 0, a.stderr + b.stderr
+    assert a.stdout.startswith("usage: mps-fused-adam "), a.stdout[:80]
+    assert b.stdout.startswith("usage: python -m mps_fused_adam "), b.stdout[:80]
 
 
 def test_installed_metadata_and_py_typed():

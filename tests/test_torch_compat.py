@@ -269,6 +269,60 @@ def test_meta_params_fused_refused_as_torch_does(cls, torch_cls):
     assert outcomes[0] == outcomes[1]
 
 
+# Adagrad is left out: its states are made by the constructor, so with meta params they stay meta
+# after to_empty, and torch's Adagrad then steps nothing, as ours does (docs/torch-compat.md).
+@pytest.mark.parametrize("cls, torch_cls", [(mfa.Adam, torch.optim.Adam), (mfa.AdamW, torch.optim.AdamW)])
+def test_meta_params_fused_then_materialised_steps_like_torch(cls, torch_cls):
+    """torch's test_fused_error_on_params_on_meta, second half: after the refused meta step, the
+    same optimizer steps once the model is materialised (``to_empty``), and ours lands where
+    torch's does (within the contract's bound) from the same materialised values."""
+    results = []
+    for c in (torch_cls, cls):
+        with torch.device("meta"):
+            model = torch.nn.Linear(3, 2)
+        opt = c(model.parameters(), fused=True)
+        with torch.device("meta"):
+            for p in model.parameters():
+                p.grad = torch.rand_like(p)
+        with pytest.raises(RuntimeError, match="`fused=True` requires all the params to be floating point Tensors"):
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        model.to_empty(device="cpu")
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+                p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+        assert all(not t.is_meta for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))
+        results.append([p.detach().clone() for p in model.parameters()])
+    for t, o in zip(*results):
+        bound = 8 * torch.finfo(torch.float32).eps * float(t.abs().max())
+        assert float((t - o).abs().max()) <= bound
+
+
+@pytest.mark.parametrize("cls", [mfa.Adam, mfa.AdamW, mfa.CPUAdam, mfa.Lion, mfa.Adagrad])
+@pytest.mark.parametrize("named", [False, True])
+def test_state_dict_survives_weights_only_load_and_deepcopy_keeps_public_attrs(cls, named, tmp_path):
+    """torch's test_save_load_equality_with_weights_only and test_deepcopy_copies_all_public_attrs:
+    our state dict loads back equal under ``torch.load(weights_only=True)`` (only tensors, numbers,
+    strings and containers in it), and a deep copy has the same public attributes."""
+    ps = _params()
+    opt = cls([(f"p{i}", p) for i, p in enumerate(ps)] if named else ps)
+    _run(opt, ps, 3)
+    sd = opt.state_dict()
+    torch.save(sd, tmp_path / "sd.pt")
+    back = torch.load(tmp_path / "sd.pt", weights_only=True)
+    assert back["param_groups"] == sd["param_groups"]
+    for k, st in sd["state"].items():
+        assert back["state"][k].keys() == st.keys()
+        for name, t in st.items():
+            got = back["state"][k][name]
+            assert torch.equal(got, t) if isinstance(t, torch.Tensor) else got == t
+    public = {k for k in opt.__dict__ if not k.startswith("_")}
+    assert public == {k for k in copy.deepcopy(opt).__dict__ if not k.startswith("_")}
+
+
 def test_step_saved_as_tensor_loaded_from_int_and_live_count_is_int():
     """state['step'] (step_counts.py): an int while stepping, torch's 0-dim tensor in state_dict()
     (a copy: the live state keeps its int), and a state dict of an earlier version of ours (int

@@ -20,8 +20,10 @@ EXIT_OK, EXIT_CHECK_FAILED = 0, 1  # argparse exits with 2 on a usage error
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line. Parsed before torch is imported, so ``--help`` answers at once."""
+    # The usage line names the program as the user typed it: the console script or `python -m`.
+    invoked = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
     ap = argparse.ArgumentParser(
-        prog="python -m mps_fused_adam",
+        prog="mps-fused-adam" if invoked == "mps-fused-adam" else "python -m mps_fused_adam",
         description="Report versions and available backends, check every backend against the reference "
                     "implementation, and run a short benchmark.",
         epilog="Exit status: 0 when every self-check passes, 1 when one fails, 2 on a usage error. "
