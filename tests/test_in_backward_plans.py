@@ -181,3 +181,25 @@ def test_packed_scalars_keep_the_sign_of_a_zero(zero):
             hp = AdamHyper(lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=wd, step=3, adam_w_mode=False)
             assert backends.packed_scalars("adam", hp) == RULES["adam"].pack(hp)
     assert math.copysign(1.0, zero) != math.copysign(1.0, other)
+
+
+def test_packed_scalars_follow_a_replaced_rule(monkeypatch):
+    """The memo counts only for the rule object that packed an entry: a rule replaced in
+    contract.RULES (the self-check's host-scalar tests do this) is packed afresh, and the memo
+    serves the original again once it is back."""
+    import dataclasses
+
+    from mps_fused_adam import backends
+    from mps_fused_adam.numerics import contract
+    hp = contract.AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, 3)
+    original = contract.RULES["adam"]
+    good = backends.packed_scalars("adam", hp)
+    assert good == original.pack(hp)
+
+    def buggy(h):
+        return contract.adam_scalars(h)._replace(d2=1.0)
+    monkeypatch.setitem(contract.RULES, "adam", dataclasses.replace(original, scalars=buggy))
+    bad = backends.packed_scalars("adam", hp)
+    assert bad == contract.RULES["adam"].pack(hp) and bad != good
+    monkeypatch.setitem(contract.RULES, "adam", original)
+    assert backends.packed_scalars("adam", hp) == good

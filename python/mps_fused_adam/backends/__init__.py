@@ -161,7 +161,7 @@ class CPUBackend:
         )
 
 
-_PACKED: dict[tuple, bytes] = {}
+_PACKED: dict[tuple, tuple[Any, bytes]] = {}
 _PACKED_MAX = 256  # distinct (rule, hyper) pairs kept: a group's last steps and a scheduler's values
 
 
@@ -169,18 +169,22 @@ def packed_scalars(rule: str, hp: Any) -> bytes:
     """``rule_spec(rule).pack(hp)``, remembered: a step of one param at a time (step_in_backward)
     packs the same hyperparameters once per param, and packing costs about 5 us. The key holds the
     sign of every zero field besides ``hp`` (whose equality takes -0.0 for 0.0, which the kernels
-    may not)."""
-    key = (rule, hp, tuple(math.copysign(1.0, v) for v in vars(hp).values() if v == 0))
+    may not); an entry counts only for the very rule object that packed it, so a rule replaced in
+    ``contract.RULES`` (as the self-check's tests do) is packed afresh."""
+    spec = rule_spec(rule)
     try:
-        return _PACKED[key]
+        key = (rule, hp, tuple(math.copysign(1.0, v) for v in vars(hp).values() if v == 0))
+        packer, packed = _PACKED[key]
+        if packer is spec:
+            return packed
     except KeyError:
         pass
     except TypeError:  # an unhashable field: no memo
-        return rule_spec(rule).pack(hp)
-    packed = rule_spec(rule).pack(hp)
+        return spec.pack(hp)
+    packed = spec.pack(hp)
     if len(_PACKED) >= _PACKED_MAX:
         _PACKED.clear()
-    _PACKED[key] = packed
+    _PACKED[key] = (spec, packed)
     return packed
 
 
