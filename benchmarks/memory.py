@@ -236,6 +236,14 @@ def versions() -> str:
     return ", ".join(found)
 
 
+def emit(report: str, out: str | None) -> None:
+    """Print a benchmark's report, and write it to ``out`` as well where one is given."""
+    print(report)
+    if out:
+        with open(out, "w") as f:
+            f.write(report)
+
+
 def run_child(config: str, args: argparse.Namespace) -> dict[str, Any]:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", config, "--layers", str(args.layers),
@@ -325,11 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             "same optimizer; " + ("CPU: VmHWM after clear_refs, MALLOC_MMAP_THRESHOLD_=65536" if args.device == "cpu"
                                   else "MPS: driver_allocated_memory() sampled after forward, backward and step"),
             "step: median wall time of the steps after the first (forward + backward + step + zero_grad)", ""]
-    report = "\n".join(head) + table(results) + "\n"
-    print(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report)
+    emit("\n".join(head) + table(results) + "\n", args.out)
     return 0
 
 

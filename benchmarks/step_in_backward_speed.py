@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    from memory import machine, versions
+    from memory import emit, machine, versions
     results = [measure(c, args) for c in args.configs]
     lines = ["# step_in_backward=True against the plain step (benchmarks/step_in_backward_speed.py)",
              f"machine: {machine()}, {torch.get_num_threads()} torch threads", f"versions: {versions()}",
@@ -123,11 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         lines.append(f"| {CONFIGS[r['config']][0]} | {r['plain_ms']:.1f} | {r['in_backward_ms']:.1f} | "
                      f"{r['ratio']:.3f} ({r['ratio_min']:.3f}-{r['ratio_max']:.3f}) |")
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report)
+    emit("\n".join(lines) + "\n", args.out)
     return 0
 
 

@@ -15,6 +15,9 @@ import platform
 import struct
 import sys
 
+# pyobjc exists only on macOS: pytest never collects this file (not test_*.py), and
+# tests/test_metal_harness.py imports it, or runs it, only after checking for macOS and pyobjc
+# (on Linux through tests/fake_pyobjc.py's stand-in modules).
 import Foundation
 import Metal
 import objc
