@@ -14,7 +14,7 @@ import math
 import os
 import threading
 import warnings
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 
@@ -25,8 +25,34 @@ from .addressing import Addressed, addresses, numels  # noqa: F401  (re-exported
 TensorList = Sequence[torch.Tensor]
 
 
+class Kernel(NamedTuple):
+    """What one bucket of a step asks of a backend: a rule of the one rule table, the params'
+    (and grads') dtype and the states' storage dtype (``torch.uint8`` for 8-bit codes).
+
+    A backend runs a set of kernels; ``Backend.unavailable`` says whether it runs this one and,
+    when not, why (for ``backend_info()`` and for routing the bucket to the next tier)."""
+    rule: str
+    param_dtype: torch.dtype
+    state_dtype: torch.dtype
+
+
 class Backend(Protocol):
+    """The interface every backend implements (shared design of issues 33 and 34).
+
+    - ``unavailable(kernel)``: None when this backend runs ``kernel``, else the reason it does not
+      (a rule it has no form of, a dtype, a Metal pipeline that failed to build or to pass its
+      probe). The optimizers ask this instead of testing a backend's class.
+    - ``prepare(kernels)``: everything the kernels of one step need before the first of them is
+      encoded (a Metal tier builds and probes each kernel's pipeline here, once), so that a step
+      is all or nothing. After it, ``update`` of any of those kernels does not fail on validated
+      input.
+    - ``update(rule, params, grads, states, hp)``: as the module docstring says.
+    """
     name: str
+
+    def unavailable(self, kernel: Kernel) -> Optional[str]: ...
+
+    def prepare(self, kernels: Iterable[Kernel]) -> None: ...
 
     def update(self, rule: str, params: TensorList, grads: TensorList, states: Sequence[TensorList],
                hp: Any) -> None: ...
