@@ -421,8 +421,8 @@ kernel void fused_step_8bit(device P* param [[buffer(0)]],
     float m = map1[codes1[i]] * a1;
     float v = map2[codes2[i]] * a2;
     Rule::apply(p, float(grad[i]), m, v, hp);
-    mx1 = nan_max(mx1, fabs(m));
-    mx2 = nan_max(mx2, fabs(v));
+    mx1 = nan_max(mx1, metal::fabs(m));  // qualified: libc++'s ::fabs(float) is visible too in C++
+    mx2 = nan_max(mx2, metal::fabs(v));
   }
   const float inv1 = mx1 == 0.0f ? 0.0f : metal::precise::divide(1.0f, mx1);
   const float inv2 = mx2 == 0.0f ? 0.0f : metal::precise::divide(1.0f, mx2);
@@ -475,8 +475,13 @@ kernel void fused_step_8bit(device P* param [[buffer(0)]],
   FUSED_PAIRS_BFLOAT(X, AdamSRRule, adam_sr, 2)                \
   X(fused_step_8bit, Adam8bitRule, adam8bit, bfloat, uchar)
 
-#define FUSED_INSTANTIATE(SHAPE, RULE, NAME, P, S)                                   \
-  template [[host_name("fused_" #NAME "_" #P "_" #S)]] [[kernel]] decltype(SHAPE<RULE, P, S>) \
+// An explicit instantiation's attributes. tests/metal_compat.h defines this as nothing before
+// including the file: clang's C++ allows no attribute list on an explicit instantiation.
+#ifndef FUSED_KERNEL_ATTRIBUTES
+#define FUSED_KERNEL_ATTRIBUTES(HOST_NAME) [[host_name(HOST_NAME)]] [[kernel]]
+#endif
+#define FUSED_INSTANTIATE(SHAPE, RULE, NAME, P, S)                                                  \
+  template FUSED_KERNEL_ATTRIBUTES("fused_" #NAME "_" #P "_" #S) decltype(SHAPE<RULE, P, S>) \
       SHAPE<RULE, P, S>;
 
 FUSED_KERNELS(FUSED_INSTANTIATE)

@@ -82,6 +82,42 @@ def simd(request):
     _cpu.set_simd_path(before)
 
 
+_CLANG_LIBCXX: list[list[str]] = []
+
+
+def clang_libcxx() -> list[str]:
+    """The compiler command of Apple's family here: clang++ (clang++-19 first, which .ci/run
+    installs) with ``-stdlib=libc++``, checked by building a small shared object that includes
+    <cmath>. Absent or unable to link libc++: :func:`cannot_run` (a failure under MFA_REQUIRE_TOOLS)."""
+    if not _CLANG_LIBCXX:
+        clang = next((shutil.which(n) for n in ("clang++-19", "clang++") if shutil.which(n)), None)
+        if clang is None:
+            cannot_run("clang++ not on PATH (Debian: apt install clang-19 libc++-19-dev)")
+        import subprocess
+        import tempfile
+        cmd = [clang, "-stdlib=libc++"]
+        with tempfile.TemporaryDirectory() as tmp:
+            proc = subprocess.run([*cmd, "-std=c++17", "-shared", "-fPIC", "-x", "c++", "-", "-o", f"{tmp}/probe.so"],
+                                  input='#include <cmath>\nextern "C" float probe(float x) { return std::fabs(x); }\n',
+                                  capture_output=True, text=True)
+        if proc.returncode != 0:
+            cannot_run(f"{' '.join(cmd)} cannot build a shared object (Debian: apt install libc++-19-dev):\n"
+                       f"{proc.stderr[-2000:]}")
+        _CLANG_LIBCXX.append(cmd)
+    return list(_CLANG_LIBCXX[0])
+
+
+EMULATOR_COMPILERS = ("default", "clang-libc++")
+
+
+@pytest.fixture(scope="session", params=EMULATOR_COMPILERS)
+def emulator_cxx(request) -> list[str] | None:
+    """The host emulator's compiler, for the files that check the kernels bit for bit under each
+    (a module's ``emu`` fixture taking this one): the default (CXX, else g++) and clang++ with
+    libc++, Apple's compiler family (:func:`clang_libcxx`). Each builds once per session."""
+    return None if request.param == "default" else clang_libcxx()
+
+
 @pytest.fixture(scope="session")
 def emu():
     """The host emulator: metal/fused_adam.metal compiled as C++ (tests/emulated_mps.py)."""

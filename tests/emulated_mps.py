@@ -65,17 +65,19 @@ def host_names(source: str, metal_version: int = 310) -> list[str]:
     return ["".join(re.findall(r'"([A-Za-z0-9_]*)"', lit)) for lit in found]
 
 
-def compile_emulator(source_text: str, out_dir: Path, coverage: bool = False) -> Path:
-    """Compile the emulator around ``source_text`` (a .metal source) into ``out_dir``."""
+def compile_emulator(source_text: str, out_dir: Path, coverage: bool = False,
+                     cxx: list[str] | None = None) -> Path:
+    """Compile the emulator around ``source_text`` (a .metal source) into ``out_dir`` with the
+    compiler command ``cxx`` (default: :func:`find_compiler`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "fused_adam.metal").write_text(source_text, encoding="utf-8")
-    cxx = find_compiler()
+    cxx = list(cxx) if cxx else [find_compiler()]
     flags = CXXFLAGS + (["-O0", "--coverage", "-DEMU_COVERAGE"] if coverage else ["-O2"])
     inc = [f"-I{out_dir}", f"-I{TESTS_DIR}"]
     obj = out_dir / "metal_emulator.o"
     lib = out_dir / "metal_emulator.so"
-    for cmd in ([cxx, *flags, *inc, "-c", str(TESTS_DIR / "metal_emulator.cpp"), "-o", str(obj)],
-                [cxx, *flags, "-shared", str(obj), "-o", str(lib)]):
+    for cmd in ([*cxx, *flags, *inc, "-c", str(TESTS_DIR / "metal_emulator.cpp"), "-o", str(obj)],
+                [*cxx, *flags, "-shared", str(obj), "-o", str(lib)]):
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=out_dir)
         if proc.returncode != 0:
             raise RuntimeError(f"emulator build failed: {' '.join(cmd)}\n{proc.stderr}")
@@ -137,16 +139,17 @@ _cache: dict[str, Emulator] = {}
 _tmp_root: list[Path] = []
 
 
-def build_emulator(source_text: str | None = None) -> Emulator:
-    """The emulator for ``source_text`` (default: the shipped .metal file), built once per process."""
+def build_emulator(source_text: str | None = None, cxx: list[str] | None = None) -> Emulator:
+    """The emulator for ``source_text`` (default: the shipped .metal file), built once per process
+    and compiler command ``cxx`` (default: :func:`find_compiler`)."""
     text = METAL_SOURCE.read_text(encoding="utf-8") if source_text is None else source_text
-    key = hashlib.sha256(text.encode()).hexdigest()
+    key = hashlib.sha256("\0".join([text, *(cxx or ())]).encode()).hexdigest()
     if key not in _cache:
         if not _tmp_root:
             _tmp_root.append(Path(tempfile.mkdtemp(prefix="mfa-emulator-")))
             # A loaded shared object may be unlinked on Linux; the mapping stays valid.
             atexit.register(shutil.rmtree, _tmp_root[0], ignore_errors=True)
-        lib = compile_emulator(text, _tmp_root[0] / key[:16])
+        lib = compile_emulator(text, _tmp_root[0] / key[:16], cxx=cxx)
         _cache[key] = Emulator(lib, text)
     return _cache[key]
 

@@ -1,5 +1,6 @@
-// Lets g++ compile metal/fused_adam.metal as C++17, so the tests run the shipped kernel source on
-// the CPU (the "host emulator"). Only what that file uses is provided; nothing here claims to be
+// Lets g++ and clang++ (libstdc++ or libc++: Apple's compiler is clang with libc++) compile
+// metal/fused_adam.metal as C++17, so the tests run the shipped kernel source on the CPU (the
+// "host emulator"). Only what that file uses is provided; nothing here claims to be
 // Metal's semantics beyond: IEEE fp32 arithmetic without contraction (build with
 // -ffp-contract=off), correctly rounded sqrt and division (metal::precise), and round-to-nearest-even conversions to half and
 // bfloat (Metal's default rounding mode for float -> half/bfloat).
@@ -25,6 +26,8 @@
 #define buffer(n)
 #define host_name(name)
 #define thread_position_in_grid
+// An explicit instantiation may carry no attribute list in clang's C++, not even an empty one.
+#define FUSED_KERNEL_ATTRIBUTES(name)
 
 typedef uint32_t uint;
 typedef uint64_t ulong;
@@ -40,7 +43,8 @@ inline T as_type(U u) {
   return t;
 }
 
-// g++ 12 on x86-64 implements _Float16 with round-to-nearest-even conversions from float.
+// g++ 12 and clang 19 on x86-64 implement _Float16 with round-to-nearest-even
+// conversions from float.
 typedef _Float16 half;
 
 // bfloat: the top 16 bits of an fp32. Widening is exact; narrowing rounds to nearest even and

@@ -36,9 +36,10 @@ STEPS = 4
 
 
 @pytest.fixture(scope="session")
-def emu() -> Emulator:
-    # Fails (does not skip) without a compiler: CI has g++, and a skipped emulator tests nothing.
-    return build_emulator()
+def emu(emulator_cxx) -> Emulator:
+    # Under each compiler (conftest.emulator_cxx). The default fails (does not skip) without a
+    # compiler: CI has g++, and a skipped emulator tests nothing.
+    return build_emulator(cxx=emulator_cxx)
 
 
 # One hyperparameter object per rule (its example, contract.Example), for the checks that only need the struct's size.

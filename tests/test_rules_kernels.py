@@ -188,6 +188,14 @@ def test_cpu_rejects_wrong_state_count_and_struct(rule):
 
 # --- The Metal kernels (fused_<rule>_*), run by the host emulator and tiers 1-3 ---
 
+@pytest.fixture(scope="session")
+def kernel_emu(emulator_cxx):
+    """The host emulator under each compiler (conftest.emulator_cxx), for the kernel-level tests;
+    the tiers' tests below take conftest's ``emu``."""
+    from emulated_mps import build_emulator
+    return build_emulator(cxx=emulator_cxx)
+
+
 def run_emulated(emu, rule, tensors, steps, **dispatch_kw):
     ours = [t.clone() for t in tensors]
     ref = [t.clone() for t in tensors]
@@ -202,24 +210,24 @@ def run_emulated(emu, rule, tensors, steps, **dispatch_kw):
 @pytest.mark.parametrize("rule", RULE_NAMES)
 @pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=pair_id)
 @pytest.mark.parametrize("n", [1, 3, 4, 5, 4097, 100_003])
-def test_metal_kernel_matches_reference(emu, rule, pair, n):
+def test_metal_kernel_matches_reference(kernel_emu, rule, pair, n):
     tensors = make(rule, n, *pair, seed=n, specials=n > 40)
-    ours, ref = run_emulated(emu, rule, tensors, steps=3)
+    ours, ref = run_emulated(kernel_emu, rule, tensors, steps=3)
     assert_identical(ours, ref, f"fused_{rule} ")
     assert all(not torch.equal(a, b) for a, b in zip(ours[2:], tensors[2:]))
 
 
 @pytest.mark.parametrize("rule", RULE_NAMES)
 @pytest.mark.parametrize("group", [1, 7, 256])
-def test_metal_group_size_and_order_do_not_matter(emu, rule, group):
+def test_metal_group_size_and_order_do_not_matter(kernel_emu, rule, group):
     tensors = make(rule, 4099, torch.bfloat16, torch.float32, seed=2)
-    want, _ = run_emulated(emu, rule, tensors, steps=2)
-    got, _ = run_emulated(emu, rule, tensors, steps=2, group=group, reverse=True)
+    want, _ = run_emulated(kernel_emu, rule, tensors, steps=2)
+    got, _ = run_emulated(kernel_emu, rule, tensors, steps=2, group=group, reverse=True)
     assert_identical(got, want)
 
 
 @pytest.mark.parametrize("rule", RULE_NAMES)
-def test_metal_one_state_shape_indices_past_2_pow_32(emu, rule):
+def test_metal_one_state_shape_indices_past_2_pow_32(kernel_emu, rule):
     """The one-state kernel shape binds base and n at buffers 4 and 5; a dispatch whose base is past
     2^32 must index with 64 bits (see test_metal_emulator.test_indices_past_2_pow_32)."""
     from mps_fused_adam.backends.mps import KERNELS
@@ -229,8 +237,8 @@ def test_metal_one_state_shape_indices_past_2_pow_32(emu, rule):
     ours = [t.clone() for t in tensors]
     hp = hyper(rule, 1)
     addrs = tuple((t.data_ptr() - base * t.element_size()) % 2**64 for t in ours)
-    emu.dispatch(KERNELS[(rule, torch.float16, torch.float32)], addrs, RULES[rule].pack(hp), base, base + count,
-                 -(-count // 4), 256)
+    kernel_emu.dispatch(KERNELS[(rule, torch.float16, torch.float32)], addrs, RULES[rule].pack(hp), base, base + count,
+                        -(-count // 4), 256)
     ref = [t.clone() for t in tensors]
     reference_step_(rule, ref[0], ref[1], ref[2:], hp)
     assert_identical(ours, ref)
