@@ -62,8 +62,6 @@ const RuleInfo& rule_info(const std::string& name) {
   throw std::invalid_argument("unknown update rule '" + name + "'; the CPU kernel has: " + known);
 }
 
-uintptr_t address(nb::handle h) { return nb::cast<uintptr_t>(h); }
-
 // A list item that must be a plain int (an address, a count, a key): exact ints only, so that no
 // Python code (an __index__) runs while the lists are read, and none can change them under us.
 uint64_t exact_u64(PyObject* o, const char* what) {
