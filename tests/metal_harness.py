@@ -12,7 +12,8 @@ What the cases cover (:func:`cases`): every kernel the metallib exports (each ru
 dtype pair, 8-bit, stochastic rounding), three steps each, sizes with a tail (not a multiple of
 4, and for 8-bit not of the 256-element block), each tensor at a byte offset inside its own
 buffer with guard bytes around it, one tensor split into several dispatches through ``base``,
-and NaN/Inf in gradients and parameters.
+real grids (several threadgroups per dispatch, a partial last threadgroup, more threads than one
+threadgroup may hold: ``GRID_LAYOUTS``), and NaN/Inf in gradients and parameters.
 
 How a kernel is judged (:func:`compare`), as the self-check judges a backend: a float tensor lies
 within the contract's GPU bound ``8 * eps(dtype) * max|ref|`` (DESIGN.md section 2) and has NaN
@@ -100,11 +101,13 @@ class Case:
     chunk_threads: int  # threads per dispatch: n / (4 * chunk_threads) dispatches through base
     specials: bool
     seed: int
+    group: int = 256  # threads per threadgroup (less where a dispatch has fewer threads)
 
     @property
     def label(self) -> str:
         mode = ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in self.mode)
-        return f"{self.kernel} n={self.n} {mode} offsets={list(self.offsets)} chunk={self.chunk_threads}"
+        return (f"{self.kernel} n={self.n} {mode} offsets={list(self.offsets)} chunk={self.chunk_threads} "
+                f"group={self.group}")
 
 
 ADAM_MODES = [dict(adam_w_mode=w, bias_correction=b, maximize=x) for w in (True, False)
@@ -116,17 +119,26 @@ def _offsets(count: int, seed: int) -> tuple[int, ...]:
     return tuple((seed + 3 * i) % 7 for i in range(count))
 
 
+# Real grids, for every kernel: GRID_N elements are 1,501 threads, past the 1,024 threads one
+# threadgroup may hold on any Apple GPU. (chunk threads per dispatch, threadgroup width): one
+# dispatch of six threadgroups of 256, the last of 221; two dispatches (1,024 and 477 threads:
+# 8-bit dispatches start on a block) of threadgroups of 96, each ending in a partial one; one
+# dispatch of threadgroups of 1,024, the limit itself, then 477.
+GRID_N = 6003
+GRID_LAYOUTS = ((1 << 30, 256), (1024, 96), (1 << 30, 1024))
+
+
 def cases() -> list[Case]:
     """Every kernel of KERNELS, each in several modes, sizes and layouts."""
     out: list[Case] = []
     seed = 0
 
-    def add(rule, pd, sd, n, mode, chunk, specials=True):
+    def add(rule, pd, sd, n, mode, chunk, specials=True, group=256):
         nonlocal seed
         seed += 1
         k = 2 + len(METAL_RULES[rule].states)
         out.append(Case(KERNELS[(rule, pd, sd)], rule, pd, sd, n, tuple(sorted(mode.items())),
-                        _offsets(k, seed), chunk, specials and n >= 8, seed))
+                        _offsets(k, seed), chunk, specials and n >= 8, seed, group))
 
     pairs = [(p, s) for (r, p, s) in KERNELS if r == "adam"]
     for pd, sd in pairs:
@@ -149,6 +161,15 @@ def cases() -> list[Case]:
                 # 8-bit dispatches must start on a block: chunks of 64 threads (256 elements).
                 for n, chunk in ((5, 64), (257, 64), (1000, 64)):
                     add("adam8bit", pd, torch.uint8, n, dict(mode, sr=sr), chunk)
+    for rule, pd, sd in KERNELS:
+        if rule in ("lion", "adagrad"):
+            mode = dict(maximize=False, weight_decay=0.1)
+        elif rule == "adam8bit":
+            mode = dict(ADAM_MODES[0], sr=pd is torch.bfloat16)
+        else:
+            mode = ADAM_MODES[0]
+        for chunk, group in GRID_LAYOUTS:
+            add(rule, pd, sd, GRID_N, mode, chunk, group=group)
     return out
 
 
@@ -256,7 +277,7 @@ class DirectSubmit:
     def __call__(self, case: Case, bound: list[Placed], scalars: bytes) -> None:
         plan = dispatch_plan(case.n, max_threads=case.chunk_threads)
         bindings = [(pl.buffer, pl.byte_offset) for pl in bound]
-        self.device.run(case.kernel, [Dispatch(bindings, scalars, base, case.n, threads, min(256, threads))
+        self.device.run(case.kernel, [Dispatch(bindings, scalars, base, case.n, threads, min(case.group, threads))
                                       for base, threads in plan])
 
 

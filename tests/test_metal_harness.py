@@ -60,6 +60,45 @@ def test_cases_cover_every_kernel_and_layout():
     assert len(adam_modes) == 8  # adamw/l2 x bias correction x maximize
 
 
+# The most threads one threadgroup may hold on any Apple GPU (maxTotalThreadsPerThreadgroup).
+THREADGROUP_LIMIT = 1024
+
+
+def grid_shapes(case: mh.Case) -> list[tuple[int, int]]:
+    """(threads, threadgroup width) of each dispatch DirectSubmit makes for ``case``."""
+    return [(threads, min(case.group, threads)) for _, threads in mh.dispatch_plan(case.n, case.chunk_threads)]
+
+
+def test_cases_dispatch_real_grids():
+    """Every kernel runs dispatches of several threadgroups, ending in a partial one, with more
+    threads than one threadgroup may hold, and one at the threadgroup limit itself."""
+    for k in KERNELS.values():
+        shapes = [s for c in mh.cases() if c.kernel == k for s in grid_shapes(c)]
+        assert any(t > g and t % g for t, g in shapes), f"{k}: no dispatch ends in a partial threadgroup"
+        assert any(t > THREADGROUP_LIMIT for t, _ in shapes), f"{k}: no dispatch above one threadgroup's limit"
+        assert any(g == THREADGROUP_LIMIT and t > g for t, g in shapes), f"{k}: no threadgroup at the limit"
+        assert any(-(-t // g) >= 5 for t, g in shapes), f"{k}: never five threadgroups or more"
+
+
+def test_the_emulator_and_fake_metal_ran_those_grids(emu, fake_driver):
+    """The grids reach the device as dispatched: the host emulator (which launches threadgroup
+    by threadgroup, leaving out the threads past the grid) and the pyobjc driver over fake Metal
+    record each dispatch's threads and threadgroup width; the results are bit-identical."""
+    grid = [c for c in mh.cases() if c.n == mh.GRID_N and c.kernel in ("fused_adam_half_float",
+                                                                     "fused_adam8bit_bfloat_uchar")]
+    want = sorted((c.kernel, *s) for c in grid for s in grid_shapes(c) for _ in range(mh.STEPS))
+    driver, lib = fake_driver
+    for dev in (mh.EmulatorDevice(emu), driver.MetalDevice(str(lib))):
+        before = len(emu.dispatches)
+        reports = mh.run_all(dev, selected=grid, kernels={c.kernel for c in grid})
+        assert mh.failures(reports, require=True) == []
+        assert all(r.stats.identical == r.stats.elements and r.cases == 3 for r in reports.values())
+        ran = sorted((d["name"], d["threads"], d["group"]) for d in emu.dispatches[before:])
+        assert ran == want, dev.name
+    assert (("fused_adam_half_float", 1501, 256) in want and ("fused_adam_half_float", 477, 96) in want
+            and ("fused_adam8bit_bfloat_uchar", 1501, 1024) in want)
+
+
 def one_per_kernel() -> list[mh.Case]:
     """The largest case of each kernel (a tail, offsets, several dispatches, NaN/Inf), for the
     tests of the call paths, which the cases of one kernel exercise alike."""
