@@ -233,3 +233,60 @@ def test_macos_deployment_target_is_visible_to_scikit_build_core():
     assert f"set(MFA_MACOS_MIN {target})" in (ROOT / "cmake" / "apple_metal.cmake").read_text(encoding="utf-8")
     major = target.split(".")[0]
     assert f"macosx_{major}_0_arm64" in _workflow()
+
+
+# --- the hosted macOS job: torch MPS where it works ---------------------------------------------
+
+def _mps_test_files() -> set[str]:
+    """The test files that need a real MPS device: those calling conftest's require_mps."""
+    return {f.name for f in TESTS.glob("test_*.py")
+            if re.search(r"\brequire_mps\(\)", f.read_text(encoding="utf-8"))}
+
+
+def _steps(job: str) -> list[str]:
+    """The text of each step of a job (a `      - ` item under `    steps:`)."""
+    body = job[job.index("\n    steps:\n"):]
+    return ["      - " + s for s in re.split(r"^      - ", body, flags=re.M)[1:]]
+
+
+def test_hosted_job_runs_the_mps_test_files_where_torch_mps_works():
+    """metal-hosted: macos-15 required, macos-14 and macos-26 reported beside it; the probe
+    (ci/mps_probe.py) first, then every MPS test file under MFA_REQUIRE_MPS=1 where it said
+    works=true, and a skip with its exact error where it did not. MPS is never switched off there."""
+    job = _job("metal-hosted")
+    legs = re.findall(r"^          - \{ os: (macos-\d+), required: (true|false) \}$", job, flags=re.M)
+    assert sorted(legs) == [("macos-14", "false"), ("macos-15", "true"), ("macos-26", "false")], legs
+    assert "    continue-on-error: ${{ !matrix.required }}\n" in job
+    assert "MFA_NO_MPS" not in _runs(job)
+    steps = _steps(job)
+    probe = [i for i, s in enumerate(steps) if "id: mps\n" in s]
+    assert len(probe) == 1 and 'ci/mps_probe.py" --github-output "$GITHUB_OUTPUT"' in steps[probe[0]]
+    assert "if: always()" in steps[probe[0]]
+    run = [s for s in steps[probe[0]:] if "steps.mps.outputs.works == 'true'" in s]
+    skip = [s for s in steps[probe[0]:] if "steps.mps.outputs.works != 'true'" in s]
+    assert len(run) == 1 and len(skip) == 1
+    assert 'MFA_REQUIRE_MPS: "1"' in run[0] and "python -m pytest" in run[0]
+    named = set(re.findall(r"tests/(test_\w+\.py)", run[0]))
+    assert _mps_test_files() and named == _mps_test_files(), (named, _mps_test_files())
+    assert "${{ steps.mps.outputs.error }}" in skip[0] and "::warning" in skip[0]
+    assert "MFA_REQUIRE_MPS" not in skip[0]
+    # The Metal harness step keeps its place before the probe.
+    assert any("MFA_REQUIRE_METAL" in s for s in steps[:probe[0]])
+
+
+def test_mps_probe_says_what_failed(tmp_path):
+    """ci/mps_probe.py's answer, here: works=true with a matmul equal to the CPU's on a machine
+    whose MPS runs, else works=false and the error, the same text it prints."""
+    import subprocess
+    out = tmp_path / "github_output"
+    proc = subprocess.run([sys.executable, str(ROOT / "ci" / "mps_probe.py"), "--github-output", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    fields = dict(line.split("=", 1) for line in out.read_text().splitlines())
+    import torch
+    mps = getattr(torch.backends, "mps", None)
+    if mps is None or not mps.is_available():
+        assert fields["works"] == "false" and fields["error"].startswith("torch.backends.mps.is_available() is False")
+        assert proc.stdout.startswith("torch MPS does not work") and fields["error"] in proc.stdout
+    else:
+        assert fields["works"] == "true" or fields["error"] in proc.stdout, (fields, proc.stdout)
