@@ -28,6 +28,12 @@ def public_optimizer_names() -> list[str]:
                   if isinstance(getattr(mfa, n), type) and issubclass(getattr(mfa, n), torch.optim.Optimizer))
 
 
+# Why the tests that fork a process whose threads have started skip on macOS (docs/apple-testing.md).
+FORK_ON_DARWIN = ("fork() after threads have started is unsafe on macOS (Apple's frameworks), whose default "
+                  "start method is spawn since Python 3.8 (DataLoader workers are spawned there); the fork "
+                  "checks run on Linux")
+
+
 def require_tool(*names: str) -> list[str]:
     """Paths of the named tools. Missing tools skip the test on a developer machine but fail it
     where MFA_REQUIRE_TOOLS=1, as .ci/run sets after installing them: a skipped check must never

@@ -12,7 +12,7 @@ from mps_fused_adam.backends import CPUBackend
 from mps_fused_adam.numerics.contract import RULES, AdamHyper
 from mps_fused_adam.numerics.reference import reference_adam_
 
-from conftest import DTYPE_PAIRS, pair_id
+from conftest import DTYPE_PAIRS, FORK_ON_DARWIN, pair_id
 
 
 def make_tensors(n: int, pdtype: torch.dtype, sdtype: torch.dtype):
@@ -134,6 +134,7 @@ def test_steps_run_on_torchs_openmp_threads():
         _cpu.use_torch_openmp(True)
 
 
+@pytest.mark.skipif(sys.platform == "darwin", reason=FORK_ON_DARWIN)
 def test_fork_child_steps_on_its_own_pool():
     """A forked child (a DataLoader worker, say) cannot use the parent's OpenMP threads: it falls
     back to a fresh pool of its own and still computes the reference's bits."""

@@ -13,9 +13,12 @@ from pathlib import Path
 import pytest
 
 import mps_fused_adam
+from conftest import FORK_ON_DARWIN
 
 if not hasattr(os, "fork"):
     pytest.skip("no fork() on this platform", allow_module_level=True)
+if sys.platform == "darwin":
+    pytest.skip(FORK_ON_DARWIN, allow_module_level=True)
 
 PRELUDE = textwrap.dedent("""
     import os, signal, sys, threading, torch
