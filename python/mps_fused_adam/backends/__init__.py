@@ -14,26 +14,16 @@ import math
 import os
 import threading
 import warnings
-from typing import Any, Callable, Iterable, NamedTuple, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
 
 import torch
 
 from ..numerics.contract import AdagradHyper, AdamHyper, LionHyper, adagrad_scalars, adam_scalars, lion_scalars
 from ..numerics.contract import rule as rule_spec
 from .addressing import Addressed, addresses, numels  # noqa: F401  (re-exported: the backends' shared input)
+from .kernel import Kernel, describe  # noqa: F401  (re-exported: the key of the Backend protocol)
 
 TensorList = Sequence[torch.Tensor]
-
-
-class Kernel(NamedTuple):
-    """What one bucket of a step asks of a backend: a rule of the one rule table, the params'
-    (and grads') dtype and the states' storage dtype (``torch.uint8`` for 8-bit codes).
-
-    A backend runs a set of kernels; ``Backend.unavailable`` says whether it runs this one and,
-    when not, why (for ``backend_info()`` and for routing the bucket to the next tier)."""
-    rule: str
-    param_dtype: torch.dtype
-    state_dtype: torch.dtype
 
 
 class Backend(Protocol):
@@ -128,6 +118,21 @@ def _foreach_adagrad(params: TensorList, grads: TensorList, states: Sequence[Ten
         torch._foreach_copy_(list(sums), acc)
 
 
+def _reference_adam_sr(params: TensorList, grads: TensorList, states: Sequence[TensorList], hp: Any) -> None:
+    """Adam with stochastic rounding (``lowbit.AdamSRHyper``: one key, so one tensor per call as on
+    the Metal tiers), through its plain-torch reference: a correct, not a fast, path."""
+    from ..numerics.reference_lowbit import reference_adam_sr_
+    for p, g, m, v in zip(params, grads, *states):
+        reference_adam_sr_(p, g, m, v, hp.adam, hp.sr_key)
+
+
+def _reference_adam8bit(params: TensorList, grads: TensorList, states: Sequence[TensorList], hp: Any) -> None:
+    """8-bit Adam (``lowbit.ADAM8BIT``'s states, ``Adam8bitTensorHyper``) through its reference."""
+    from ..numerics.reference_lowbit import reference_adam8bit_
+    for p, g, c1, c2, a1, a2 in zip(params, grads, *states[:4]):
+        reference_adam8bit_(p, g, c1, a1, c2, a2, hp.adam, hp.sr_key)
+
+
 class ForeachBackend:
     """Tier 4: ``torch._foreach_*`` ops in fp32 math, rounded back to the storage dtype.
 
@@ -136,13 +141,48 @@ class ForeachBackend:
     """
 
     name = "foreach"
-    RULES: dict[str, Callable[..., None]] = {"adam": _foreach_adam, "lion": _foreach_lion, "adagrad": _foreach_adagrad}
+    RULES: dict[str, Callable[..., None]] = {"adam": _foreach_adam, "lion": _foreach_lion, "adagrad": _foreach_adagrad,
+                                             "adam_sr": _reference_adam_sr, "adam8bit": _reference_adam8bit}
+
+    def unavailable(self, kernel: Kernel) -> Optional[str]:
+        """Every rule of the table on the storage dtypes the kernels have: the foreach tier is the
+        last one, so it runs what any other does (the low-bit rules through their references)."""
+        return _standard_kernel(kernel, self.RULES, "the foreach tier")
+
+    def prepare(self, kernels: Iterable[Kernel]) -> None:
+        """Nothing to build; a kernel it does not run raises here, before anything is updated."""
+        _require(self, kernels)
 
     def update(self, rule: str, params, grads, states, hp) -> None:
         fn = self.RULES.get(rule)
         if fn is None:
             raise NotImplementedError(f"the foreach tier has no form of rule {rule!r}")
         fn(params, grads, states, hp)
+
+
+_LOWBIT_STATE = {"adam8bit": (torch.uint8,)}  # rules whose states are not fp32 or the param dtype
+_BF16_ONLY = ("adam_sr",)  # rules of bf16 params only
+
+
+def _standard_kernel(kernel: Kernel, rules: Iterable[str], who: str) -> Optional[str]:
+    """Why ``who`` (a backend with a form of each rule of ``rules`` for every param dtype of
+    SUPPORTED_DTYPES with fp32 or same-dtype states) does not run ``kernel``, or None."""
+    rule, p, s = kernel
+    if rule not in rules:
+        return f"{who} has no form of rule {rule!r}"
+    if p not in SUPPORTED_DTYPES:
+        return f"{who} has no kernel for {p} params"
+    if rule in _BF16_ONLY and p is not torch.bfloat16:
+        return f"rule {rule!r} is for bfloat16 params only"
+    if s not in _LOWBIT_STATE.get(rule, (torch.float32, p)):
+        return f"{who} has no {describe(kernel)} kernel (states: float32 or the param dtype)"
+    return None
+
+
+def _require(backend: Any, kernels: Iterable[Kernel]) -> None:
+    refused = [f"{describe(Kernel(*k))}: {why}" for k in kernels if (why := backend.unavailable(Kernel(*k)))]
+    if refused:
+        raise RuntimeError(f"the {backend.name} backend does not run " + "; ".join(refused))
 
 
 # Every SIMD path the C++ kernel can be built with (src/cpu/dispatch.cpp), best first; which of
@@ -177,14 +217,46 @@ class CPUBackend:
                           f"'own'); using the default, torch's OpenMP threads where they can be borrowed "
                           f"(_cpu.thread_pool() says which pool runs)", RuntimeWarning)
 
+    def unavailable(self, kernel: Kernel) -> Optional[str]:
+        """The rules this build of ``_cpu`` has (``_cpu.rules()``), on fp32, fp16 and bf16 params with
+        fp32 or same-dtype states; ``adam_sr`` as its Adam rule's bf16 stochastic-rounding store
+        (``sr_keys``), ``adam8bit`` through ``_cpu.adam8bit_step``."""
+        rules = set(self._cpu.rules())
+        if "adam" in rules:
+            rules.add("adam_sr")
+        if hasattr(self._cpu, "adam8bit_step"):
+            rules.add("adam8bit")
+        return _standard_kernel(kernel, rules, "the _cpu extension")
+
+    def prepare(self, kernels: Iterable[Kernel]) -> None:
+        """Nothing to build (the kernels are compiled in); a kernel it does not run raises here."""
+        _require(self, kernels)
+
     def update(self, rule: str, params, grads, states, hp, sr_keys=None) -> None:
         """``sr_keys``: for bf16 params, one ``lowbit.sr_key`` per param to store them by
-        stochastic rounding (lowbit.py's contract); None rounds to nearest even."""
+        stochastic rounding (lowbit.py's contract); None rounds to nearest even. The rules
+        ``adam_sr`` (``lowbit.AdamSRHyper``) and ``adam8bit`` (``lowbit.ADAM8BIT``'s six state
+        lists, ``Adam8bitTensorHyper``) take the Metal tiers' arguments, one key per call."""
+        if rule == "adam_sr":
+            return self.update("adam", params, grads, states, hp.adam, sr_keys=[hp.sr_key] * len(params))
+        if rule == "adam8bit":
+            return self._adam8bit(params, grads, states, hp)
         self._cpu.step(
             rule, addresses(params), addresses(grads), [addresses(lst) for lst in states], numels(params),
             _DTYPE_CODES[params[0].dtype], _DTYPE_CODES[states[0][0].dtype],
             packed_scalars(rule, hp), torch.get_num_threads(), sr_keys,
         )
+
+    def _adam8bit(self, params, grads, states, hp) -> None:
+        from ..numerics.lowbit import pack_adam8bit
+        codes1, codes2, absmax1, absmax2, map1, map2 = states
+        key = hp.sr_key
+        blob = pack_adam8bit(hp.adam)
+        for i, p in enumerate(params):
+            self._cpu.adam8bit_step(
+                p.data_ptr(), grads[i].data_ptr(), codes1[i].data_ptr(), absmax1[i].data_ptr(), codes2[i].data_ptr(),
+                absmax2[i].data_ptr(), p.numel(), _DTYPE_CODES[p.dtype], map1[i].data_ptr(), map2[i].data_ptr(), blob,
+                0 if key is None else key, key is not None, torch.get_num_threads())
 
 
 _PACKED: dict[tuple, tuple[Any, bytes]] = {}
@@ -227,6 +299,13 @@ class TorchFusedBackend:
     def __init__(self) -> None:
         self._fallback = ForeachBackend()
 
+    def unavailable(self, kernel: Kernel) -> Optional[str]:
+        """What the foreach tier runs: torch's fused Adam where it keeps the contract, foreach for the rest."""
+        return self._fallback.unavailable(kernel)
+
+    def prepare(self, kernels: Iterable[Kernel]) -> None:
+        _require(self, kernels)
+
     def update(self, rule: str, params, grads, states, hp) -> None:
         if rule != "adam" or states[0][0].dtype != params[0].dtype:
             return self._fallback.update(rule, params, grads, states, hp)
@@ -268,15 +347,24 @@ _chosen: dict[str, Backend] = {}
 _reasons: dict[str, list[str]] = {}
 
 
+def load_tier(device_type: str, label: str, make: Callable[[], Backend]) -> tuple[Optional[Backend], Optional[str]]:
+    """``(make(), None)``, or ``(None, why)`` once ``why`` is recorded for ``backend_info()`` and
+    warned: any load failure means say why once and use the next tier."""
+    try:
+        return make(), None
+    except Exception as exc:
+        msg = f"mps_fused_adam: {label} backend unavailable for {device_type} tensors: {exc!r}"
+        _reasons.setdefault(device_type, []).append(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=4)
+        return None, msg
+
+
 def _try(device_type: str, factories: Sequence[tuple[str, Callable[[], Backend]]]) -> Backend:
-    reasons = _reasons.setdefault(device_type, [])
+    _reasons.setdefault(device_type, [])
     for label, make in factories:
-        try:
-            return make()
-        except Exception as exc:  # any load failure means: say why once, use the next tier
-            msg = f"mps_fused_adam: {label} backend unavailable for {device_type} tensors: {exc!r}"
-            reasons.append(msg)
-            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        backend, _ = load_tier(device_type, label, make)
+        if backend is not None:
+            return backend
     return ForeachBackend()
 
 
@@ -291,6 +379,16 @@ def _tiers(device_type: str) -> list[tuple[str, Callable[[], Backend]]]:
     return []
 
 
+def _choose(device_type: str) -> Backend:
+    """One backend for CPU and CUDA/XPU; for MPS the chain of its tiers, kernel by kernel (chain.py)."""
+    if device_type != "mps":
+        return _try(device_type, _tiers(device_type))
+    from .chain import TierChain
+    _reasons.setdefault(device_type, [])
+    return TierChain(device_type, [*_tiers(device_type), ("foreach tier", ForeachBackend)],
+                     lambda label, make: load_tier(device_type, label, make))
+
+
 def get_backend(device: torch.device | str) -> Backend:
     """The backend for tensors on ``device``, chosen on first use and kept for the process."""
     device_type = torch.device(device).type
@@ -299,16 +397,19 @@ def get_backend(device: torch.device | str) -> Backend:
         with _lock:
             backend = _chosen.get(device_type)
             if backend is None:
-                backend = _chosen[device_type] = _try(device_type, _tiers(device_type))
+                backend = _chosen[device_type] = _choose(device_type)
     return backend
 
 
 def backend_info() -> dict[str, dict[str, object]]:
     """What is active per device type tried so far (CPU always; MPS when available), and why not the rest.
 
-    Each entry: ``backend`` (its name), ``unavailable`` (why each preferred tier did not load), and
-    where they apply ``simd`` (the CPU kernel's SIMD path) and ``fast_math`` (MPS: what torch's
-    ``PYTORCH_MPS_FAST_MATH`` changes for the active Metal tier)."""
+    Each entry: ``backend`` (its name; on MPS the first tier that loaded), ``unavailable`` (why each
+    preferred tier did not load), and where they apply ``simd`` (the CPU kernel's SIMD path) and
+    ``fast_math`` (MPS: what torch's ``PYTORCH_MPS_FAST_MATH`` changes for the active Metal tier).
+    On MPS also ``tiers`` (per tier: label, name, state, reason, the kernels it does not run and
+    why), ``kernels_unavailable`` (tier label -> kernel -> why, for tiers that refuse any) and
+    ``routes`` (kernel -> the tier that runs it, for the kernels used so far)."""
     get_backend("cpu")
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         get_backend("mps")
@@ -317,6 +418,12 @@ def backend_info() -> dict[str, dict[str, object]]:
         entry: dict[str, object] = {"backend": backend.name, "unavailable": list(_reasons.get(device_type, []))}
         if hasattr(backend, "simd"):
             entry["simd"] = backend.simd
+        if hasattr(backend, "tiers_info"):
+            tiers = backend.tiers_info()
+            entry["tiers"] = tiers
+            entry["kernels_unavailable"] = {t["tier"]: t["kernels_unavailable"] for t in tiers
+                                            if t["kernels_unavailable"]}
+            entry["routes"] = backend.routes()
         if device_type == "mps":
             from .mps import fast_math_note
             note = fast_math_note(backend.name)
