@@ -440,3 +440,16 @@ def make_backend(tier: int, pkg: Path, emu: Emulator, **kw):
     ext.calls.clear()
     emu.dispatches.clear()
     return backend
+
+
+def make_chain(pkg: Path, emu: Emulator, ext: FakeMetalExt | None = None, api: FakeMpsApi | None = None,
+               device_type: str = "mps", **kw):
+    """What ``get_backend("mps")`` builds (backends.TierChain over tiers 1-3 and foreach), its
+    Apple pieces replaced by the stand-ins; probes run on CPU tensors."""
+    from mps_fused_adam import backends
+    from mps_fused_adam.backends.chain import TierChain
+    from mps_fused_adam.backends.mps import mps_tiers
+    ext = ext or FakeMetalExt(emu)
+    tiers = mps_tiers(load_ext=lambda: ext, mps_api=api or FakeMpsApi(emu), package_dir=pkg, probe_device="cpu", **kw)
+    return TierChain(device_type, [*tiers, ("foreach tier", backends.ForeachBackend)],
+                     lambda label, make: backends.load_tier(device_type, label, make))
