@@ -304,3 +304,27 @@ def test_lowbit_through_the_chain_matches_the_references(emu, pkg):
     assert same_training(params, other) and same_training(params, ref)
     assert chain.tier_of(Kernel("adam8bit", F32, torch.uint8)) == "metal"
     assert chain.tier_of(Kernel("adam8bit", BF16, torch.uint8)) == "load_metallib"
+
+
+def test_selfcheck_prints_every_tier_with_its_state(emu, pkg):
+    """The self-check's tier lines: one per tier, loaded or not and why, with the kernels it
+    refuses; its cases skip the refused kernels (their line reports them) and pass on the rest."""
+    from mps_fused_adam.backends.mps import mps_tiers
+    from mps_fused_adam.tools.selfcheck import check_backend, mps_tier_states, tier_lines
+    api = FakeMpsApi(emu)
+    api.load_metallib = None  # a torch without it
+    tiers = mps_tiers(load_ext=lambda: FakeMetalExt(emu, bfloat=False), mps_api=api, package_dir=pkg,
+                      probe_device="cpu")
+    lines = tier_lines(tiers)
+    total, bf16 = len(KERNELS), sum(k.param_dtype is BF16 for k in KERNELS)
+    assert len(lines) == 3, lines
+    assert lines[0].startswith(f"  tier 1 _metal extension: loaded, runs {total - bf16} of {total} kernels; "
+                               f"refuses adagrad bfloat16/bfloat16 and {bf16 - 1} more: its pipeline was not built")
+    assert lines[1].startswith("  tier 2 torch.mps.load_metallib: not loaded: RuntimeError: torch ")
+    assert "has no torch.mps.load_metallib" in lines[1]
+    assert lines[2] == f"  tier 3 torch.mps.compile_shader: loaded, runs all {total} kernels"
+    assert all(len(line) < 240 for line in lines)
+    tier1 = mps_tier_states(tiers)[0]
+    results = list(filter(tier1.runs, check_backend(tier1.backend, "cpu", tier1.label, n=300)))
+    assert [r.dtypes for r in results if "bfloat16" in r.dtypes] == []
+    assert len(results) == 3 * 3 and all(r.passed for r in results), results
