@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import struct
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
@@ -353,6 +354,17 @@ def _differs(got: torch.Tensor, want: torch.Tensor) -> Optional[str]:
     return None if diff <= bound else f"{diff:.3g} away from the reference (the contract's bound: {bound:.3g})"
 
 
+@lru_cache(maxsize=None)
+def _probe_case(kernel: Kernel, n: int) -> tuple[tuple[torch.Tensor, ...], tuple[Any, ...], tuple[torch.Tensor, ...]]:
+    """``kernel``'s probe inputs, hyperparameters and reference results, computed once per
+    process (every tier probes the same kernel against the same reference)."""
+    start, hypers, reference = _probe_inputs(kernel, n)
+    want = [t.clone() for t in start]
+    for hp in hypers:
+        reference(want, hp)
+    return tuple(start), tuple(hypers), tuple(want)
+
+
 def probe_kernel(backend: Any, kernel: Kernel, device: str | torch.device, n: int = PROBE_ELEMENTS) -> Optional[str]:
     """Two steps of ``kernel`` through ``backend`` on ``n`` elements on ``device`` against the
     reference on the CPU: None when every output agrees (:func:`_differs`), else what failed.
@@ -361,20 +373,19 @@ def probe_kernel(backend: Any, kernel: Kernel, device: str | torch.device, n: in
     that a kernel which builds but cannot run (a torch whose ShaderLibrary binds arguments
     otherwise than 2.13's; a GPU that computes it wrongly) is refused, and its tensors go to the
     next tier, instead of training wrong. Untested on Apple hardware."""
-    cpu, hypers, reference = _probe_inputs(kernel, n)
+    kernel = Kernel(*kernel)
+    start, hypers, want = _probe_case(kernel, n)
     what = f"its first-use probe ({len(hypers)} steps of {n} elements on {device})"
     try:
-        ours = [t.to(device, copy=True) for t in cpu]
+        ours = [t.to(device, copy=True) for t in start]
         for hp in hypers:
             backend.update(kernel.rule, [ours[0]], [ours[1]], [[t] for t in ours[2:]], hp)
         got = [t.cpu() for t in ours]  # waits for the GPU
     except Exception as exc:
         return f"{what} failed: {exc!r}"
-    for hp in hypers:
-        reference(cpu, hp)
     names = ["param", *(RULES.get(kernel.rule) or METAL_RULES[kernel.rule]).states]
-    for name, k in zip(names, [0, *range(2, len(cpu))]):
-        wrong = _differs(got[k], cpu[k])
+    for name, k in zip(names, [0, *range(2, len(start))]):
+        wrong = _differs(got[k], want[k])
         if wrong is not None:
             return f"{what} gave a {name} {wrong}"
     return None
