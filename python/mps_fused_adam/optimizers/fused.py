@@ -325,13 +325,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
             plan.native.set_steps(bucket.begin, bucket.end, step)
             bucket.step = step
             hp = self._hyper(group, step)
-            backend = backend_for(bucket.device, bucket.kernel)
             # The plan holds only contiguous tensors and checked that each grad is: no staging.
             if seeds is None:
-                backend.update(bucket.fmt.rule, bucket.params, grads, bucket.states, hp)
+                backend_for(bucket.device, bucket.kernel).update(bucket.fmt.rule, bucket.params, grads,
+                                                                 bucket.states, hp)
             else:
-                backend.update(bucket.fmt.rule, bucket.params, grads, bucket.states, hp,
-                               sr_keys=[sr_key(seed, step) for seed in seeds])
+                rule = bucket.fmt.sr_rule
+                backend_for(bucket.device, bucket.kernel._replace(rule=rule)).update(
+                    rule, bucket.params, grads, bucket.states, hp, sr_keys=[sr_key(seed, step) for seed in seeds])
 
     def _step_full(self, group: dict[str, Any], fresh: list, buckets: dict) -> None:
         for p, pi, slots, fmt in fresh:
@@ -354,8 +355,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
             step = int(last_step) + 1
             for st in bucket[-1]:
                 st["step"] = step
-            keys = None
+            keys, rule = None, fmt.rule
             if sr and pdtype is torch.bfloat16:
+                rule = fmt.sr_rule
                 # Stochastic rounding (only the Adam rule has the option): each param's own 64-bit
                 # seed (sr_seeds.py: independent of the order params are stepped in), drawn on its
                 # first such step, and this step's key of it.
@@ -364,7 +366,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                     if SEED_KEY not in st:
                         st[SEED_KEY] = sr_seeds.param_seed(self, p)
                     keys.append(sr_key(int(st[SEED_KEY]), step))
-            update_staged(backend_for(device, Kernel(fmt.rule, pdtype, sd)), fmt.rule, bucket[0], bucket[1],
+            update_staged(backend_for(device, Kernel(rule, pdtype, sd)), rule, bucket[0], bucket[1],
                           list(bucket[2:-1]), self._hyper(group, step), keys)
 
     def _step_plans(self) -> dict[int, Any]:
@@ -544,11 +546,15 @@ def _with_sr_seeds(planned: list) -> Optional[list]:
 
 def _kernels_of(opt: _FusedOptimizer, planned: tuple, kernels: dict) -> None:
     """Add the kernels of a group's full step (``_plan_group``'s result) to ``kernels`` by device."""
-    _, fresh, buckets = planned
+    group, fresh, buckets = planned
+    sr = bool(group.get("bf16_stochastic_round"))
+
+    def rule(fmt: Any, pdtype: torch.dtype) -> str:
+        return fmt.sr_rule if sr and pdtype is torch.bfloat16 else fmt.rule
     for device, pdtype, fmt, sd, _ in buckets:
-        kernels.setdefault(device, set()).add(Kernel(fmt.rule, pdtype, sd))
+        kernels.setdefault(device, set()).add(Kernel(rule(fmt, pdtype), pdtype, sd))
     for p, _, _, fmt in fresh:
-        kernels.setdefault(p.device, set()).add(Kernel(fmt.rule, p.dtype, fmt.state_dtype(opt, p)))
+        kernels.setdefault(p.device, set()).add(Kernel(rule(fmt, p.dtype), p.dtype, fmt.state_dtype(opt, p)))
 
 
 def _check_unsupported(group: dict[str, Any], cls: str, algorithm: str, options: tuple[str, ...]) -> None:

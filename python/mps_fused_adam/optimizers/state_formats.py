@@ -29,6 +29,7 @@ class Moments:
 
     def __init__(self, rule: str, dtype: Optional[torch.dtype] = None) -> None:
         self.rule = rule
+        self.sr_rule = f"{rule}_sr"  # the rule with bf16 params stored by stochastic rounding (Adam's)
         self.names: tuple[str, ...] = RULES[rule].states
         self.dtype = dtype
 
@@ -70,7 +71,7 @@ class Blockwise8bit:
     ``lowbit.BLOCK`` elements (``lowbit.py``'s contract; bitsandbytes' layout and key names)."""
 
     plain = False
-    rule = ADAM8BIT.name
+    rule = sr_rule = ADAM8BIT.name  # stochastic rounding: a switch of the same kernel
     # The backends' order of the rule's state lists (backends.Backend.update).
     names = ("exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_codes", "exp_avg_sq_absmax")
 
