@@ -48,11 +48,11 @@ How to add an update rule (Lion, Adagrad, ...): a local change, one entry in eac
 6. ``optimizers/fused.py``: the public class (``_rule``, ``_state_dict_kind``, the constructor,
    ``_check_group``, ``_hyper``, ``_new_state`` when a state does not start at 0), its
    ``validate.check_<rule>_hyperparameters``, and its name in ``__init__._PUBLIC``.
-7. Tests: an entry in ``tests/test_rules_contract.COUNTERPARTS`` naming the independent
-   implementation (torch's or a reference package's optimizer) and the test that checks the
-   reference against it (written with it); the class in ``tests/test_step_entry.CLASSES`` and
-   ``tests/test_optim.DEEPCOPY_CASES``; parity tests of the class against its counterpart
-   (state dicts, options: as test_optim_rules.py does for Lion and Adagrad).
+7. Tests: the class's entry in ``tests/optim_db.py`` (its arguments, the independent
+   implementation it stands in for and, for the rule's example class, the arguments that give the
+   example and the test that checks the reference against that implementation, written with it);
+   parity tests of the class against its counterpart (state dicts, options: as
+   test_optim_rules.py does for Lion and Adagrad).
 
 Everything else follows from :data:`RULES` and the rule's :class:`Example`: the CPU kernel on
 every SIMD path, the foreach tier, the Metal kernels (emulated) and Metal tiers 1-3, and the
@@ -63,8 +63,7 @@ its counts (test_cli.py), the scalar layouts (test_scalar_layouts.py), and the b
 A forgotten piece of 1-7 fails loudly: tests/test_rules_contract.test_rule_is_registered_everywhere
 checks each rule of :data:`RULES` for its reference, foreach form, CPU kernel (``_cpu.rules()``),
 Metal instantiations in all five dtype pairs, example, public class, self-check case and
-counterpart; test_step_entry and test_optim check their class lists against the package's public
-classes. (Still by hand: the counterpart test itself and the class's parity tests.)
+counterpart; tests/test_optim_db.py checks that every public class has its entry. (Still by hand: the counterpart test itself and the class's parity tests.)
 
 The backends take ``(rule name, params, grads, [state lists], hyper)``; the optimizer classes
 name their rule.
@@ -255,14 +254,12 @@ class Example:
     of ``hyper`` (by default with and without weight decay); ``nonnegative``: the states that are
     never negative (Adam's ``exp_avg_sq``, Adagrad's ``sum``), which the tests draw from
     ``0.01 * U[0, 1)`` (the others from ``0.1 * N(0, 1)``); ``optimizer``: the public class
-    (``mps_fused_adam.<optimizer>``) that runs the rule, and ``optimizer_kwargs``: its arguments
-    that give ``hyper(step)`` (plus any start of the states, e.g. Adagrad's
-    ``initial_accumulator_value``).
+    (``mps_fused_adam.<optimizer>``) that runs the rule (the benchmarks time it; the arguments that
+    give ``hyper(step)`` are the tests', in tests/optim_db.py).
     """
 
     hyper: Callable[..., Any]
     optimizer: str
-    optimizer_kwargs: dict = field(default_factory=dict, compare=False)
     modes: tuple = field(default=({}, {"weight_decay": 0.0}), compare=False)
     nonnegative: tuple[str, ...] = ()
 
@@ -292,15 +289,13 @@ class Rule:
 
 RULES: dict[str, Rule] = {
     "adam": Rule("adam", ("exp_avg", "exp_avg_sq"), AdamHyper, adam_scalars, "<9f2I",
-                 Example(_adam_example, "AdamW", dict(lr=1e-2, weight_decay=0.1),
+                 Example(_adam_example, "AdamW",
                          modes=({"adam_w_mode": True}, {"adam_w_mode": False}), nonnegative=("exp_avg_sq",))),
     # State names are those of the optimizers Lion and Adagrad stand in for (lion_pytorch, torch).
     "lion": Rule("lion", ("exp_avg",), LionHyper, lion_scalars, "<6fI",
-                 Example(_lion_example, "Lion", dict(lr=1e-2, weight_decay=0.1))),
+                 Example(_lion_example, "Lion")),
     "adagrad": Rule("adagrad", ("sum",), AdagradHyper, adagrad_scalars, "<3f2I",
-                    Example(_adagrad_example, "Adagrad",
-                            dict(lr=1e-2, lr_decay=0.01, weight_decay=0.1, initial_accumulator_value=0.1),
-                            nonnegative=("sum",))),
+                    Example(_adagrad_example, "Adagrad", nonnegative=("sum",))),
 }
 
 
