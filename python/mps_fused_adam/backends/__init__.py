@@ -294,7 +294,8 @@ _PACKED_MAX = 256  # distinct (rule, hyper) pairs kept: a group's last steps and
 
 def packed_scalars(rule: str, hp: Any) -> bytes:
     """``rule_spec(rule).pack(hp)``, remembered: a step of one param at a time (step_in_backward)
-    packs the same hyperparameters once per param, and packing costs about 5 us. The key holds the
+    packs the same hyperparameters once per param, and packing costs more than a planned param's
+    whole step path. The key holds the
     sign of every zero field besides ``hp`` (whose equality takes -0.0 for 0.0, which the kernels
     may not); an entry counts only for the very rule object that packed it, so a rule replaced in
     ``contract.RULES`` (as the self-check's tests do) is packed afresh. Rule ``"adam8bit"``: the

@@ -30,8 +30,8 @@ _Params = Iterable[Any]
 
 def _optimizer_method(name: str) -> Callable[..., Any]:
     """``torch.optim.Optimizer.<name>`` without its ``torch._disable_dynamo`` wrapper while
-    ``torch._dynamo`` is not loaded: the wrapper's first call imports it, which takes about a
-    second, the largest part of the time to a first step. Once torch.compile has loaded it, the
+    ``torch._dynamo`` is not loaded: the wrapper's first call imports it, the largest part of the
+    time to a first step. Once torch.compile has loaded it, the
     wrapped method is used, so compiled code never traces into these."""
     fn = getattr(torch.optim.Optimizer, name)
     return fn if "torch._dynamo" in sys.modules else getattr(fn, "__wrapped__", fn)
@@ -414,8 +414,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         # FSDP2 / tensor-parallel params: their local shards are stepped (dtensor.py). Without
         # torch.distributed.tensor loaded there is no DTensor to look for. It is loaded with
         # torch._dynamo (any torch.compile), so plain tensors are told apart by their exact type
-        # first: isinstance against DTensor costs about 55 ns a tensor, which made this loop
-        # about 40% slower for plain params.
+        # first: isinstance against DTensor made this loop markedly slower for plain params
+        # (docs/benchmarks.md, "Figures behind the code").
         dt_cls = dtensor.dtensor_type()
         plain_t, plain_p = torch.Tensor, torch.nn.Parameter
         sr_group = bool(group.get("bf16_stochastic_round"))

@@ -102,8 +102,8 @@ _HANDLES_TRIED: list = []
 
 def _enable_tensor_handles(cpu: Any) -> bool:
     """Let the checks read tensors through torch's AOTInductor C shim (``src/cpu/tensor_handles.h``:
-    a stable C ABI in libtorch_cpu, found at run time): about a third of the per-tensor cost of
-    reading their Python attributes. Where this torch or platform lacks it, the checks read the
+    a stable C ABI in libtorch_cpu, found at run time): cheaper per tensor than reading their
+    Python attributes (docs/benchmarks.md, "Per-tensor cost of a step"). Where this torch or platform lacks it, the checks read the
     attributes as before."""
     _HANDLES_TRIED.append(True)
     setting = os.environ.get("MPS_FUSED_ADAM_TENSOR_HANDLES", "1")
