@@ -19,7 +19,7 @@ Adam (v2), host::
     L2 mode with wd == 0 adds no term (as torch.optim.Adam and DeepSpeed skip it: 0 * inf is
     NaN): the host hands the kernels the decoupled form with decay 1, and p * 1 is p, bit for bit.
 
-The element math is stated once, in ``reference.reference_adam_``.
+The element math is stated once, in ``reference.adam_elements`` (the 8-bit rule's clamp a parameter of it).
 
 How to add an update rule (Lion, Adagrad, ...): a local change, one entry in each of these places.
 
