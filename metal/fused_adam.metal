@@ -64,11 +64,32 @@ struct AdamParams {
   uint maximize;
 };
 
+// The normalized step m / denom as Adam takes it (NoClamp), or clamped to [-clip, clip] as the
+// 8-bit rule takes it (ClampToClip: H has a clip field; NaN stays NaN).
+struct NoClamp {
+  template <typename H>
+  static inline float apply(float u, constant H&) { return u; }
+};
+struct ClampToClip {
+  template <typename H>
+  static inline float apply(float u, constant H& hp) {
+    if (u > hp.clip) {
+      u = hp.clip;
+    }
+    if (u < -hp.clip) {
+      u = -hp.clip;
+    }
+    return u;
+  }
+};
+
 struct AdamRule {
   enum : uint { kStates = 2 };
   typedef AdamParams Params;
-  // The whole per-element contract; s[0] = exp_avg, s[1] = exp_avg_sq.
-  static inline void apply(thread float& p, float g, thread float* s, constant Params& hp) {
+  // The whole per-element contract, the one statement of it in Metal: m, v the moments in and
+  // out; H is AdamParams or a struct with its fields (Adam8bitParams), Clamp as above.
+  template <typename Clamp, typename H>
+  static inline void step(thread float& p, float g, thread float& m, thread float& v, constant H& hp) {
 #if defined(__clang__)
     // Each multiply and add rounded separately, as in the reference: tier 3's run-time compile
     // cannot be given -ffp-contract=off, so the source says it too.
@@ -80,15 +101,18 @@ struct AdamRule {
     if (hp.adam_w_mode == 0) {
       g = g + hp.weight_decay * p;
     }
-    const float m = hp.beta1 * s[0] + hp.one_minus_beta1 * g;
-    const float v = hp.beta2 * s[1] + hp.one_minus_beta2 * (g * g);
+    m = hp.beta1 * m + hp.one_minus_beta1 * g;
+    v = hp.beta2 * v + hp.one_minus_beta2 * (g * g);
     const float denom = metal::precise::sqrt(v) * hp.d2 + hp.eps;
+    const float u = Clamp::apply(metal::precise::divide(m, denom), hp);
     if (hp.adam_w_mode != 0) {
       p = p * hp.decay;
     }
-    p = p - hp.step_size * metal::precise::divide(m, denom);
-    s[0] = m;
-    s[1] = v;
+    p = p - hp.step_size * u;
+  }
+  // s[0] = exp_avg, s[1] = exp_avg_sq.
+  static inline void apply(thread float& p, float g, thread float* s, constant Params& hp) {
+    step<NoClamp>(p, g, s[0], s[1], hp);
   }
 };
 
@@ -333,29 +357,7 @@ struct Adam8bitRule {
   typedef Adam8bitParams Params;
   // The element's Adam step on dequantized moments, the normalized step clamped to [-clip, clip].
   static inline void apply(thread float& p, float g, thread float& m, thread float& v, constant Params& hp) {
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#endif
-    if (hp.maximize != 0) {
-      g = -g;
-    }
-    if (hp.adam_w_mode == 0) {
-      g = g + hp.weight_decay * p;
-    }
-    m = hp.beta1 * m + hp.one_minus_beta1 * g;
-    v = hp.beta2 * v + hp.one_minus_beta2 * (g * g);
-    const float denom = metal::precise::sqrt(v) * hp.d2 + hp.eps;
-    float u = metal::precise::divide(m, denom);
-    if (u > hp.clip) {
-      u = hp.clip;
-    }
-    if (u < -hp.clip) {
-      u = -hp.clip;
-    }
-    if (hp.adam_w_mode != 0) {
-      p = p * hp.decay;
-    }
-    p = p - hp.step_size * u;
+    AdamRule::step<ClampToClip>(p, g, m, v, hp);
   }
 };
 

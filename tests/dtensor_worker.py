@@ -17,15 +17,12 @@ import torch.multiprocessing as mp
 
 import mps_fused_adam as mfa
 
-OPTIMIZERS = {
-    "AdamW": lambda ps: mfa.AdamW(ps, lr=1e-2, weight_decay=0.1),
-    "Adam-L2": lambda ps: mfa.Adam(ps, lr=1e-2, weight_decay=0.1),
-    "FusedAdam": lambda ps: mfa.FusedAdam(ps, lr=1e-2),
-    "CPUAdam-fp32-states": lambda ps: mfa.CPUAdam(ps, lr=1e-2, fp32_optimizer_states=True),
-    "Lion": lambda ps: mfa.Lion(ps, lr=1e-3, weight_decay=0.1),
-    "FusedLion": lambda ps: mfa.FusedLion(ps, lr=1e-3),
-    "Adagrad": lambda ps: mfa.Adagrad(ps, lr=1e-2, initial_accumulator_value=0.1),
-}
+from optim_db import OPTIM_DB
+
+# Every class that steps DTensor params, under each label of its optim_db entry (run as a script:
+# this directory is on sys.path).
+OPTIMIZERS = {label: (lambda ps, cls=info.cls, kw=kw: cls(ps, **kw))
+              for info in OPTIM_DB.values() for label, kw in info.dtensor.items()}
 
 
 def _models(dtype, mesh):

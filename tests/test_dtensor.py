@@ -16,6 +16,8 @@ import torch
 
 import mps_fused_adam as mfa
 
+from optim_db import OPTIM_DB
+
 WORKER = Path(__file__).with_name("dtensor_worker.py")
 
 
@@ -38,7 +40,7 @@ def found(request, tmp_path_factory):
     return result
 
 
-OPTIMIZERS = ["AdamW", "Adam-L2", "FusedAdam", "CPUAdam-fp32-states", "Lion", "FusedLion", "Adagrad"]
+OPTIMIZERS = [label for info in OPTIM_DB.values() for label in info.dtensor]  # what the worker steps
 
 
 @pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])

@@ -9,6 +9,7 @@ import torch
 
 import mps_fused_adam as mfa
 from conftest import public_optimizer_names
+from optim_db import OPTIM_DB
 from mps_fused_adam.numerics.contract import AdamHyper
 from mps_fused_adam.numerics.reference import reference_adam_
 
@@ -381,24 +382,19 @@ def test_load_state_dict_runs_torchs_hooks_in_torchs_order():
     assert results[mfa.AdamW][0] == ["pre", "post"] and results[mfa.AdamW][1][0] == (0.0, 1.0)
 
 
-# The classes of one step path (optimizers/fused.py), each with constructor options it keeps as attributes;
-# the 8-bit classes have their own tests (test_lowbit_optim.py).
-DEEPCOPY_CASES = {
-    "CPUAdam": lambda ps: mfa.CPUAdam(ps, lr=1e-2, fp32_optimizer_states=False),
-    "FusedAdam": lambda ps: mfa.FusedAdam(ps, lr=1e-2, set_grad_none=False),
-    "Lion": lambda ps: mfa.Lion(ps, lr=1e-3, weight_decay=0.1, decoupled_weight_decay=True),
-    "FusedLion": lambda ps: mfa.FusedLion(ps, lr=1e-3, set_grad_none=False),
-    "AdamW": lambda ps: mfa.AdamW(ps, lr=1e-2),
-    "Adagrad": lambda ps: mfa.Adagrad(ps, lr=1e-2),
-}
+# Each class with the constructor options it keeps as attributes (tests/optim_db.py: ``kept``).
+DEEPCOPY_CASES = {name: (lambda ps, info=info: info.cls(ps, **info.kept))
+                  for name, info in OPTIM_DB.items() if info.kept is not None}
 
 
-def test_every_fused_optimizer_class_is_deep_copied():
-    """Every public class of optimizers/fused.py's shared step path (a new rule's too) is in DEEPCOPY_CASES,
-    except Adam, which AdamW covers (same class body, another default)."""
+def test_every_optimizer_class_is_deep_copied():
+    """Every public class (a new rule's too) has deep-copy arguments in optim_db, except Adam and
+    Adam8bit, which AdamW and AdamW8bit cover (same class body, another default); all are of the
+    one step path (optimizers/fused.py)."""
     from mps_fused_adam.optimizers.fused import _FusedOptimizer
-    fused = [n for n in public_optimizer_names() if issubclass(getattr(mfa, n), _FusedOptimizer)]
-    assert sorted([*DEEPCOPY_CASES, "Adam"]) == fused
+    names = public_optimizer_names()
+    assert all(issubclass(getattr(mfa, n), _FusedOptimizer) for n in names)
+    assert sorted([*DEEPCOPY_CASES, "Adam", "Adam8bit"]) == names
 
 
 @pytest.mark.parametrize("make", DEEPCOPY_CASES.values(), ids=DEEPCOPY_CASES.keys())

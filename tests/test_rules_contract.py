@@ -16,6 +16,7 @@ import struct
 import pytest
 import torch
 
+from optim_db import OPTIM_DB, rule_example_class
 from mps_fused_adam.numerics.contract import RULES, AdagradHyper, LionHyper, adagrad_scalars, lion_scalars
 from mps_fused_adam.numerics.reference import lion_sign, reference_adagrad_, reference_lion_
 
@@ -23,11 +24,8 @@ ULP = torch.finfo(torch.float32).eps
 
 # Each rule's independent implementation and the test (module, function) that checks the rule's
 # reference against it: a rule of contract.RULES without an entry fails test_rule_is_registered_everywhere.
-COUNTERPARTS = {
-    "adam": ("torch.optim.AdamW", "test_contract", "test_agreement_with_torch_adamw_got_no_worse"),
-    "lion": ("lion_pytorch.Lion", "test_rules_contract", "test_lion_reference_matches_lion_pytorch_class"),
-    "adagrad": ("torch.optim.Adagrad", "test_rules_contract", "test_adagrad_reference_matches_torch"),
-}
+# (tests/optim_db.py: the ``rule_check`` of the rule's example class.)
+COUNTERPARTS = {info.rule: (info.counterpart, *info.rule_check) for info in OPTIM_DB.values() if info.rule_check}
 # The (param, state) dtype pairs every rule has a Metal kernel for (Metal type names).
 METAL_PAIRS = [("float", "float"), ("half", "float"), ("half", "half"), ("bfloat", "float"), ("bfloat", "bfloat")]
 
@@ -79,8 +77,9 @@ def test_rule_is_registered_everywhere(rule):
     assert set(ex.nonnegative) <= set(spec.states) and len(ex.modes) == 2
     cls = getattr(mfa, ex.optimizer)
     assert cls._rule == rule, f"{rule}: its example's optimizer {ex.optimizer} runs rule {cls._rule!r}"
-    opt = cls([torch.nn.Parameter(torch.zeros(3))], **ex.optimizer_kwargs)
-    assert opt._hyper(opt.param_groups[0], 2) == ex.hyper(2), f"{rule}: optimizer_kwargs do not give hyper(step)"
+    kwargs = rule_example_class(rule).example_kwargs
+    opt = cls([torch.nn.Parameter(torch.zeros(3))], **kwargs)
+    assert opt._hyper(opt.param_groups[0], 2) == ex.hyper(2), f"{rule}: optim_db's example_kwargs do not give hyper(step)"
     for flag in (True, False):  # the self-check's cases are the rule's own (once: Adagrad's for any rule)
         assert isinstance(selfcheck._hypers(rule, 3, flag), spec.hyper)
     assert rule in COUNTERPARTS, f"{rule}: no independent implementation checked against its reference (COUNTERPARTS)"

@@ -17,6 +17,7 @@ from mps_fused_adam.numerics.contract import RULES, LionHyper, example
 from mps_fused_adam.numerics.reference import reference_step_
 
 from conftest import DTYPE_PAIRS, pair_id
+from optim_db import rule_example_class
 
 # Adam has its own, deeper tests (test_cpu_kernel.py, test_metal_emulator.py); every other rule runs here.
 RULE_NAMES = [name for name in RULES if name != "adam"]
@@ -283,7 +284,7 @@ def test_optimizer_classes_through_metal_tiers(monkeypatch, emu, pkg, tier):
         gen = torch.Generator().manual_seed(3)
         params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(d))
                   for s, d in (((33, 7), torch.float32), ((4097,), torch.float16), ((5,), torch.bfloat16))]
-        opt = getattr(mfa, ex.optimizer)(params, **ex.optimizer_kwargs)
+        opt = getattr(mfa, ex.optimizer)(params, **rule_example_class(rule).example_kwargs)
         group = opt.param_groups[0]
         # The states' start is the class's (Adagrad's initial_accumulator_value); the steps' hyperparameters
         # are the example's, not the class's own _hyper.

@@ -11,24 +11,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 import mps_fused_adam as mfa
 
-from conftest import public_optimizer_names
+from optim_db import OPTIM_DB
 
-CLASSES = {
-    "AdamW": lambda ps: mfa.AdamW(ps, lr=1e-2, weight_decay=0.1),
-    "Adam": lambda ps: mfa.Adam(ps, lr=1e-2),
-    "FusedAdam": lambda ps: mfa.FusedAdam(ps, lr=1e-2),
-    "CPUAdam": lambda ps: mfa.CPUAdam(ps, lr=1e-2),
-    "Lion": lambda ps: mfa.Lion(ps, lr=1e-3),
-    "FusedLion": lambda ps: mfa.FusedLion(ps, lr=1e-3),
-    "Adagrad": lambda ps: mfa.Adagrad(ps, lr=1e-2),
-    "AdamW8bit": lambda ps: mfa.AdamW8bit(ps, lr=1e-2, min_8bit_size=16),
-    "Adam8bit": lambda ps: mfa.Adam8bit(ps, lr=1e-2, min_8bit_size=16),
-}
-
-
-def test_every_public_optimizer_class_is_listed():
-    """A new optimizer class (a new rule's) must be added to CLASSES, or it goes untested here."""
-    assert sorted(CLASSES) == public_optimizer_names()
+CLASSES = {name: info.make for name, info in OPTIM_DB.items()}  # test_optim_db checks it lists every class
 
 
 def _params(seed: int = 0) -> list[torch.nn.Parameter]:

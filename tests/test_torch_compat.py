@@ -19,6 +19,8 @@ import torch
 
 import mps_fused_adam as mfa
 
+from optim_db import OPTIM_DB
+
 try:  # torch's test helpers import expecttest, which the [test] extra installs
     from torch.testing._internal import common_optimizers
 except ImportError:
@@ -36,8 +38,7 @@ PAIRS = [(mfa.Adam, torch.optim.Adam), (mfa.AdamW, torch.optim.AdamW), (mfa.Adag
 # state, max_exp_avg_sq) that the kernels do not have; capturable: CUDA-graph capture of the step
 # count on the device (our counts live on the host, and Apple has no CUDA graphs); differentiable:
 # autograd through the step, which a fused kernel cannot give.
-REFUSED = {"Adam": ("amsgrad", "capturable", "differentiable"), "AdamW": ("amsgrad", "capturable", "differentiable"),
-           "Adagrad": ("differentiable",)}
+REFUSED = {torch_cls.__name__: OPTIM_DB[ours.__name__].refused for ours, torch_cls in PAIRS}  # tests/optim_db.py
 
 # Group keys of ours that torch's groups lack: none. (bf16_stochastic_round=True, an option of ours
 # that no database input sets, adds its key; torch ignores it when it loads our state dicts.)

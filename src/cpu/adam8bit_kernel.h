@@ -180,11 +180,8 @@ template <class PS>
 void adam8bit_blocks(const Q8Job& job, int64_t b0, int64_t b1) {
   using P = typename ParamStorage<PS>::T;
   const Adam8bitScalars& s = job.s;
-  const F beta1 = Vec::set1(s.beta1), beta2 = Vec::set1(s.beta2), omb1 = Vec::set1(s.one_minus_beta1),
-          omb2 = Vec::set1(s.one_minus_beta2), eps = Vec::set1(s.eps), wd = Vec::set1(s.weight_decay),
-          step_size = Vec::set1(s.step_size), d2 = Vec::set1(s.d2), decay = Vec::set1(s.decay),
-          clip = Vec::set1(s.clip), nclip = Vec::set1(-s.clip);
-  const bool adam_w_mode = s.adam_w_mode != 0, maximize = s.maximize != 0;
+  const AdamRule adam(s);  // rules.h: the Adam element math, here with the 8-bit rule's clamp
+  const F clip = Vec::set1(s.clip), nclip = Vec::set1(-s.clip);
   // Locals, not job fields: byte stores may alias anything, so fields would be reloaded.
   P* const param = static_cast<P*>(job.param);
   const P* const grad = static_cast<const P*>(job.grad);
@@ -208,14 +205,7 @@ void adam8bit_blocks(const Q8Job& job, int64_t b0, int64_t b1) {
       m = dequant(c1, map1.values, a1);
       v = dequant(c2, map2.values, a2);
     }
-    if (maximize) g = Vec::neg(g);
-    if (!adam_w_mode) g = g + wd * p;
-    m = beta1 * m + omb1 * g;
-    v = beta2 * v + omb2 * (g * g);
-    const F denom = Vec::sqrt(v) * d2 + eps;
-    const F u = clamp(m / denom, nclip, clip);
-    if (adam_w_mode) p = p * decay;
-    p = p - step_size * u;
+    adam.step(p, g, m, v, [&](F u) { return clamp(u, nclip, clip); });
     ParamStorage<PS>::store(pp, p, sr_key, index);
   };
   for (int64_t b = b0; b < b1; ++b) {

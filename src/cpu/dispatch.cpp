@@ -63,8 +63,8 @@ const IsaTable& active_isa() {
 // Software prefetch, measured per vendor with every distance in one process
 // (diag_prefetch.py, docs/experiments.md, prefetch_*.txt): on the 16-core Intel Xeon 512 to 2048 bytes ahead
 // beat none in every case (1 KiB kept); on the 2-core AMD EPYC (Zen 4) none was best with fp32
-// params (the prefetches only take load slots there), and 512 bytes with 2-byte params (bf16 and
-// fp32 states about even, bf16 states 15% faster at 1 thread). Elsewhere (Apple Silicon
+// params (the prefetches only take load slots there), and 512 bytes with 2-byte params (figures:
+// docs/benchmarks.md, "Figures behind the code"). Elsewhere (Apple Silicon
 // included: untested there) the Xeon's choice stands.
 static bool amd_cpu() {
 #if defined(__x86_64__) || defined(_M_X64)
@@ -110,10 +110,10 @@ void set_prefetch_bytes(int bytes) {
 
 // The far prefetch, measured on the 16-core Intel Xeon in one process against the near one alone
 // (diag_far_prefetch.py, docs/experiments.md, far_prefetch_xeon16.txt): 8 times the near distance ahead, into
-// L2, made the cases with fp32 states 3 to 20% faster at 1, 4 and 16 threads (Adam fp32 and bf16
-// params with fp32 states, Lion and Adagrad fp32), and mostly their trivial-math floor too; with bf16
-// states it moved between -5% and +7%, so they keep the near prefetch alone. Intel x86 only: on
-// the 2-core AMD EPYC it slowed fp32 and moved bf16/bf16 between -17% and +29% from run to run
+// L2, made the cases with fp32 states faster at 1, 4 and 16 threads (Adam fp32 and bf16 params
+// with fp32 states, Lion and Adagrad fp32), and mostly their trivial-math floor too; with bf16
+// states it moved both ways, so they keep the near prefetch alone. Intel x86 only: on the 2-core
+// AMD EPYC it slowed fp32 and moved bf16/bf16 both ways from run to run
 // (far_prefetch_2core.txt); Arm was not measured.
 static bool far_prefetch_measured() {
 #if defined(__x86_64__) || defined(_M_X64)

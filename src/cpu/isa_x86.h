@@ -120,8 +120,8 @@ struct Vec {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(x)));
   }
   // 2W bf16 values as two vectors of their even and odd elements: one load and two bit operations
-  // instead of two widening loads (in cache at 1 thread the bf16 Adam step ran 1.27x faster on the
-  // 2-core EPYC and 1.06x on the 16-core Xeon: benchmarks/bf16_pairs_*.txt). The rules are
+  // instead of two widening loads (faster on the 2-core EPYC and the 16-core Xeon: docs/benchmarks.md,
+  // "Figures behind the code"). The rules are
   // elementwise, so the lane order is free as long as every stream of a loop uses the same
   // (adam_kernel.h).
   static constexpr bool kBf16Pairs = true;

@@ -14,21 +14,27 @@ struct AdamRule {
   using F = Vec::F;
   F beta1, beta2, omb1, omb2, eps, wd, step_size, d2, decay;
   bool adam_w_mode, maximize;
-  explicit AdamRule(const Scalars& s)
+  // S: AdamScalars, or any struct with its fields (the 8-bit kernel's Adam8bitScalars).
+  template <class S>
+  explicit AdamRule(const S& s)
       : beta1(Vec::set1(s.beta1)), beta2(Vec::set1(s.beta2)), omb1(Vec::set1(s.one_minus_beta1)),
         omb2(Vec::set1(s.one_minus_beta2)), eps(Vec::set1(s.eps)), wd(Vec::set1(s.weight_decay)),
         step_size(Vec::set1(s.step_size)), d2(Vec::set1(s.d2)), decay(Vec::set1(s.decay)),
         adam_w_mode(s.adam_w_mode != 0), maximize(s.maximize != 0) {}
-  inline void operator()(F& p, F g, F* s) const {
-    F& m = s[0];
-    F& v = s[1];
+  // The element math, the one statement of it in C++; `clamp` maps the normalized step m / denom
+  // (the 8-bit rule's clamp to [-clip, clip], adam8bit_kernel.h; the identity here).
+  template <class Clamp>
+  inline void step(F& p, F g, F& m, F& v, Clamp clamp) const {
     if (maximize) g = Vec::neg(g);
     if (!adam_w_mode) g = g + wd * p;
     m = beta1 * m + omb1 * g;
     v = beta2 * v + omb2 * (g * g);
     F denom = Vec::sqrt(v) * d2 + eps;
     if (adam_w_mode) p = p * decay;
-    p = p - step_size * (m / denom);
+    p = p - step_size * clamp(m / denom);
+  }
+  inline void operator()(F& p, F g, F* s) const {
+    step(p, g, s[0], s[1], [](F u) { return u; });
   }
 };
 

@@ -97,7 +97,7 @@ bool run_on_torch_openmp(int n, ParallelTask task, void* ctx) {
   // The team is torch's own size even when fewer members have work (team_member leaves the rest
   // idle): a region of another size makes libgomp resize its team, and again at torch's next
   // region. Interleaved with autograd's kernels (step_in_backward: one small step per param)
-  // that cost about 0.4 ms per step on a 16-core Xeon (docs/experiments.md, "OpenMP team size").
+  // that cost dearly per step on a 16-core Xeon (docs/experiments.md, "OpenMP team size").
   const unsigned team = static_cast<unsigned>(std::max(n, g_rt.max_threads()));
   g_rt.parallel(team_member, &job, team, 0);
   return true;

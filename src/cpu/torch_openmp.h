@@ -1,8 +1,7 @@
 // Borrowing the OpenMP runtime that torch already loaded, so that our kernel runs on the same
 // worker threads as torch's own operators. Those threads spin for milliseconds after each torch
 // operator (libgomp's default wait policy); a second pool of ours woken in that time would share
-// the cores with them (measured on a 16-core Xeon: 25% slower right after a torch operator than
-// after our own). Nothing is linked: the runtime is found among the loaded libraries and its
+// the cores with them (measured on a 16-core Xeon: docs/benchmarks.md, "Figures behind the code"). Nothing is linked: the runtime is found among the loaded libraries and its
 // GOMP_parallel entry point (the stable ABI of `#pragma omp parallel`, also exported by LLVM's and
 // Intel's runtimes) is looked up by name, so no second OpenMP runtime ever enters the process.
 #pragma once

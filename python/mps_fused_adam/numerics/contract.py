@@ -19,40 +19,31 @@ Adam (v2), host::
     L2 mode with wd == 0 adds no term (as torch.optim.Adam and DeepSpeed skip it: 0 * inf is
     NaN): the host hands the kernels the decoupled form with decay 1, and p * 1 is p, bit for bit.
 
-The element math is stated once, in ``reference.reference_adam_``.
+The element math is stated once, in ``reference.adam_elements`` (the 8-bit rule's clamp a parameter of it).
 
-How to add an update rule (Lion, Adagrad, ...): a local change, one entry in each of these places.
+How to add an update rule (Lion, Adagrad, ...): only what must differ between rules, once each.
 
-1. Here: a frozen hyperparameter dataclass (with ``weight_decay`` and ``maximize`` fields), a
-   ``NamedTuple`` of the fp32 scalars in the order of the kernels' struct, a function computing
-   them (double on the host, rounded once), an example function ``(step, maximize=False,
-   weight_decay=0.1, lr=1e-2) -> hyper`` and a :class:`Rule` entry in :data:`RULES`: its state
-   names, its struct format, that function and its :class:`Example` (the example function, the
-   public class's name and the arguments that give the example, the states that are never
-   negative, the self-check's two modes if not "with and without weight decay").
-2. ``reference.py``: ``reference_<rule>_`` in plain separate fp32 torch ops, listed in
-   ``REFERENCES``; the docstring above it is the rule's element contract.
-3. ``src/cpu/adam_types.h``: the scalar struct, its fields named and ordered as the
-   ``NamedTuple`` (tests/test_scalar_layouts.py; a ``static_assert`` on its size), and a line in
-   ``MFA_RULES``; ``src/cpu/rules.h``: a functor with ``kStates``, ``Scalars`` and
-   ``operator()(F& p, F g, F* s)`` (the span loop, the thread pool and the tables are generic:
-   every ISA x dtype pair is instantiated from that list); ``tests/native/isa_parity.cpp``: an
-   ``examples(Tag<RuleId::X>)`` overload (the NEON-under-qemu and native x86 parity run loops
-   over ``MFA_RULES``; a rule without examples does not compile there).
-4. ``metal/fused_adam.metal``: a ``<Rule>Params`` struct (fields as the ``NamedTuple``), a
-   ``struct <Rule>Rule`` with ``kStates``, ``Params`` and an inline ``apply``, and one line in
-   ``FUSED_RULES`` (its state count picks the kernel shape; every dtype pair, bfloat under Metal
-   3.1, follows; host names ``fused_<rule>_<P>_<S>``). The ``.mm`` and the tests' emulator take
-   kernel names and buffers, nothing rule-specific.
-5. ``backends.ForeachBackend.RULES``: the rule's foreach form.
-6. ``optimizers/fused.py``: the public class (``_rule``, ``_state_dict_kind``, the constructor,
-   ``_check_group``, ``_hyper``, ``_new_state`` when a state does not start at 0), its
-   ``validate.check_<rule>_hyperparameters``, and its name in ``__init__._PUBLIC``.
-7. Tests: an entry in ``tests/test_rules_contract.COUNTERPARTS`` naming the independent
-   implementation (torch's or a reference package's optimizer) and the test that checks the
-   reference against it (written with it); the class in ``tests/test_step_entry.CLASSES`` and
-   ``tests/test_optim.DEEPCOPY_CASES``; parity tests of the class against its counterpart
-   (state dicts, options: as test_optim_rules.py does for Lion and Adagrad).
+1. Its numbers, here: a frozen hyperparameter dataclass (``weight_decay`` and ``maximize``
+   fields), a ``NamedTuple`` of its fp32 scalars in struct order with the function computing
+   them (double, rounded once), an example function ``(step, maximize=False, weight_decay=0.1,
+   lr=1e-2) -> hyper``, and its :class:`Rule` in :data:`RULES` (states, struct format, scalars,
+   :class:`Example`).
+2. Its element math, once per language: ``reference.reference_<rule>_`` (listed in
+   ``REFERENCES``; its docstring is the element contract), a functor in ``src/cpu/rules.h``
+   (``kStates``, ``Scalars``, ``operator()(F& p, F g, F* s)``), a ``<Rule>Rule`` with an inline
+   ``apply`` in ``metal/fused_adam.metal``, and its ``torch._foreach_*`` form
+   (``backends.ForeachBackend.RULES``).
+3. Its scalar struct in C++ (``src/cpu/adam_types.h``, with its line in ``MFA_RULES``) and
+   Metal (``<Rule>Params`` and its ``FUSED_RULES`` line), fields as the ``NamedTuple``
+   (tests/test_scalar_layouts.py), and its parity examples (``tests/native/isa_parity.cpp``,
+   ``examples(Tag<RuleId::X>)``: without them the NEON/x86 parity run does not compile).
+4. Its public class (``optimizers/fused.py``: ``_rule``, the constructor, ``_check_group``,
+   ``_hyper``, ``_new_state`` when a state does not start at 0; its name in
+   ``__init__._PUBLIC``), its ``validate.check_<rule>_hyperparameters``, and its entry in
+   ``tests/optim_db.py`` with the hand-written test against its independent implementation.
+
+A new *state format* (how a rule's states are stored: 8-bit codes, say) is a class of
+``optimizers/state_formats.py`` and a rule every backend runs, not a change of the step path.
 
 Everything else follows from :data:`RULES` and the rule's :class:`Example`: the CPU kernel on
 every SIMD path, the foreach tier, the Metal kernels (emulated) and Metal tiers 1-3, and the
@@ -60,11 +51,10 @@ class through those tiers (tests/test_rules_kernels.py, every rule but Adam, who
 test_cpu_kernel.py and test_metal_emulator.py), the kernel-name and struct-size checks
 (test_metal_emulator.py), the self-check (``python -m mps_fused_adam --check``, selfcheck.py) and
 its counts (test_cli.py), the scalar layouts (test_scalar_layouts.py), and the benchmarks (bench_mps.py; bench_rules.py for one-state rules).
-A forgotten piece of 1-7 fails loudly: tests/test_rules_contract.test_rule_is_registered_everywhere
+A forgotten piece of 1-4 fails loudly: tests/test_rules_contract.test_rule_is_registered_everywhere
 checks each rule of :data:`RULES` for its reference, foreach form, CPU kernel (``_cpu.rules()``),
 Metal instantiations in all five dtype pairs, example, public class, self-check case and
-counterpart; test_step_entry and test_optim check their class lists against the package's public
-classes. (Still by hand: the counterpart test itself and the class's parity tests.)
+counterpart; tests/test_optim_db.py checks that every public class has its entry. (Still by hand: the counterpart test itself and the class's parity tests.)
 
 The backends take ``(rule name, params, grads, [state lists], hyper)``; the optimizer classes
 name their rule.
@@ -255,14 +245,12 @@ class Example:
     of ``hyper`` (by default with and without weight decay); ``nonnegative``: the states that are
     never negative (Adam's ``exp_avg_sq``, Adagrad's ``sum``), which the tests draw from
     ``0.01 * U[0, 1)`` (the others from ``0.1 * N(0, 1)``); ``optimizer``: the public class
-    (``mps_fused_adam.<optimizer>``) that runs the rule, and ``optimizer_kwargs``: its arguments
-    that give ``hyper(step)`` (plus any start of the states, e.g. Adagrad's
-    ``initial_accumulator_value``).
+    (``mps_fused_adam.<optimizer>``) that runs the rule (the benchmarks time it; the arguments that
+    give ``hyper(step)`` are the tests', in tests/optim_db.py).
     """
 
     hyper: Callable[..., Any]
     optimizer: str
-    optimizer_kwargs: dict = field(default_factory=dict, compare=False)
     modes: tuple = field(default=({}, {"weight_decay": 0.0}), compare=False)
     nonnegative: tuple[str, ...] = ()
 
@@ -292,15 +280,13 @@ class Rule:
 
 RULES: dict[str, Rule] = {
     "adam": Rule("adam", ("exp_avg", "exp_avg_sq"), AdamHyper, adam_scalars, "<9f2I",
-                 Example(_adam_example, "AdamW", dict(lr=1e-2, weight_decay=0.1),
+                 Example(_adam_example, "AdamW",
                          modes=({"adam_w_mode": True}, {"adam_w_mode": False}), nonnegative=("exp_avg_sq",))),
     # State names are those of the optimizers Lion and Adagrad stand in for (lion_pytorch, torch).
     "lion": Rule("lion", ("exp_avg",), LionHyper, lion_scalars, "<6fI",
-                 Example(_lion_example, "Lion", dict(lr=1e-2, weight_decay=0.1))),
+                 Example(_lion_example, "Lion")),
     "adagrad": Rule("adagrad", ("sum",), AdagradHyper, adagrad_scalars, "<3f2I",
-                    Example(_adagrad_example, "Adagrad",
-                            dict(lr=1e-2, lr_decay=0.01, weight_decay=0.1, initial_accumulator_value=0.1),
-                            nonnegative=("sum",))),
+                    Example(_adagrad_example, "Adagrad", nonnegative=("sum",))),
 }
 
 

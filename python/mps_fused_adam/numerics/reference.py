@@ -7,7 +7,7 @@ The host scalars come from ``contract.py`` (double, rounded once to fp32).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -26,11 +26,12 @@ def _sqrt(x: torch.Tensor) -> torch.Tensor:
     return torch.sqrt(x.double()).float()
 
 
-def reference_adam_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-                    exp_avg_sq: torch.Tensor, hp: AdamHyper) -> None:
-    """Apply one Adam step in place, math in fp32, results rounded to each tensor's own dtype.
-
-    Element contract (scalars from ``contract.adam_scalars``), each op rounded separately::
+def adam_elements(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: Any,
+                  clip: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Adam's element math (contract v2), the one statement of it in Python: fp32 tensors and the
+    host scalars ``s`` (``contract.adam_scalars``) in, the new (p, m, v) out. ``clip``: the 8-bit
+    rule's clamp of the normalized step ``u = m / denom`` to ``[-clip, clip]`` (lowbit.py; NaN
+    stays NaN). Every op rounded separately::
 
         if maximize: g = -g
         if L2 mode:  g = g + wd * p     (not when wd == 0: adam_scalars then passes AdamW
@@ -38,28 +39,34 @@ def reference_adam_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
         m = beta1 * m + omb1 * g
         v = beta2 * v + omb2 * (g * g)
         denom = sqrt(v) * d2 + eps
+        u = m / denom
+        (8-bit rule) u = clip if u > clip; u = -clip if u < -clip
         if AdamW mode: p = p * decay
-        p = p - step_size * (m / denom)
+        p = p - step_size * u
     """
-    s = adam_scalars(hp)
-
-    def f32(x: float) -> torch.Tensor:
-        return _full(param, x)
-
-    p = param.detach().float()
-    g = grad.detach().float()
-    m = exp_avg.float()
-    v = exp_avg_sq.float()
     if s.maximize:
         g = -g
     if not s.adam_w_mode:
-        g = g + f32(s.weight_decay) * p
-    m = f32(s.beta1) * m + f32(s.one_minus_beta1) * g
-    v = f32(s.beta2) * v + f32(s.one_minus_beta2) * (g * g)
-    denom = _sqrt(v) * f32(s.d2) + f32(s.eps)
+        g = g + _full(p, s.weight_decay) * p
+    m = _full(p, s.beta1) * m + _full(p, s.one_minus_beta1) * g
+    v = _full(p, s.beta2) * v + _full(p, s.one_minus_beta2) * (g * g)
+    u = m / (_sqrt(v) * _full(p, s.d2) + _full(p, s.eps))
+    if clip is not None:
+        c = _full(p, clip)
+        u = torch.where(u > c, c, u)
+        u = torch.where(u < -c, -c, u)
     if s.adam_w_mode:
-        p = p * f32(s.decay)
-    p = p - f32(s.step_size) * (m / denom)
+        p = p * _full(p, s.decay)
+    p = p - _full(p, s.step_size) * u
+    return p, m, v
+
+
+def reference_adam_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                    exp_avg_sq: torch.Tensor, hp: AdamHyper) -> None:
+    """Apply one Adam step in place (:func:`adam_elements`, scalars from ``contract.adam_scalars``),
+    math in fp32, results rounded to each tensor's own dtype."""
+    p, m, v = adam_elements(param.detach().float(), grad.detach().float(), exp_avg.float(), exp_avg_sq.float(),
+                            adam_scalars(hp))
     with torch.no_grad():
         param.copy_(p)
         exp_avg.copy_(m)

@@ -12,46 +12,7 @@ import torch
 
 from . import lowbit
 from .lowbit import BLOCK
-from .reference import reference_adam_
-
-
-def _full(like: torch.Tensor, x: float) -> torch.Tensor:
-    return torch.full(like.shape, x, dtype=torch.float32, device=like.device)
-
-
-def adam_elements(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s,
-                  clip: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Contract v2's Adam element math on fp32 tensors; with ``clip``, the 8-bit rule's clamp of
-    the normalized step ``u = m / denom`` to ``[-clip, clip]`` (NaN stays NaN). Returns (p, m, v).
-
-    Element, every op rounded separately::
-
-        if maximize: g = -g
-        if L2 mode:  g = g + wd * p
-        m = beta1 * m + omb1 * g
-        v = beta2 * v + omb2 * (g * g)
-        denom = sqrt(v) * d2 + eps
-        u = m / denom
-        (8-bit rule) u = clip if u > clip; u = -clip if u < -clip
-        if AdamW mode: p = p * decay
-        p = p - step_size * u
-    """
-    if s.maximize:
-        g = -g
-    if not s.adam_w_mode:
-        g = g + _full(p, s.weight_decay) * p
-    m = _full(p, s.beta1) * m + _full(p, s.one_minus_beta1) * g
-    v = _full(p, s.beta2) * v + _full(p, s.one_minus_beta2) * (g * g)
-    denom = torch.sqrt(v.double()).float() * _full(p, s.d2) + _full(p, s.eps)
-    u = m / denom
-    if clip is not None:
-        c = _full(p, clip)
-        u = torch.where(u > c, c, u)
-        u = torch.where(u < -c, -c, u)
-    if s.adam_w_mode:
-        p = p * _full(p, s.decay)
-    p = p - _full(p, s.step_size) * u
-    return p, m, v
+from .reference import adam_elements, reference_adam_
 
 
 # ---- block-wise 8-bit storage -----------------------------------------------------------------

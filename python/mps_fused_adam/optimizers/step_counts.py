@@ -2,10 +2,9 @@
 
 torch's optimizers keep each param's step count as a 0-dim float tensor. Ours keep a Python int
 in ``opt.state[p]['step']``: the step path writes the count of every tensor on every step, and an
-int costs a dict store (about 0.1 microseconds a tensor), where keeping 0-dim tensors current
-costs a torch call per tensor on top of our step (measured on the 2-core EPYC: ``fill_`` 0.8 to
-1.0 microseconds; ``torch._foreach_add_``, what torch's own optimizers call, 1.9 to 3.2), as much
-as or more than our whole planned step path of a tensor (0.5 to 0.9; ``docs/torch-compat.md``).
+int costs a dict store, where keeping 0-dim tensors current costs a torch call per tensor on top
+of our step (``fill_``, or ``torch._foreach_add_`` as torch's own optimizers call), as much as or
+more than our whole planned step path of a tensor (docs/benchmarks.md, "Figures behind the code").
 The kernels take the count from the host either way.
 
 A state dict is what tools read (checkpoint diffing, ``torch.distributed.checkpoint``, resuming in

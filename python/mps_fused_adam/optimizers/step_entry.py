@@ -4,9 +4,8 @@
 global and per-optimizer step pre- and post-hooks and opens a ``record_function`` range named
 ``Optimizer.step#<class>.step``. Opening and closing that range goes through torch's operator
 dispatcher every step, profiler or not. Right after a kernel pass has streamed the step's tensors
-through the caches, that path runs cold and costs about 0.1 to 0.3 ms per step (the 2-core EPYC
-and the 16-core Xeon; ``benchmarks/diag_step_path.py``), as much as the rest of a planned step's
-Python. ``fast_step_entry`` marks ``step`` as already hooked (torch then leaves it alone) and
+through the caches, that path runs cold and costs as much as the rest of a planned step's Python
+(``benchmarks/diag_step_path.py``; docs/benchmarks.md, "Figures behind the code"). ``fast_step_entry`` marks ``step`` as already hooked (torch then leaves it alone) and
 calls torch's own wrapper whenever anything could observe it: a step hook registered on this
 optimizer or globally, or an enabled profiler. Otherwise it calls the step directly. So hooks,
 their argument rewriting and the profiler's range behave exactly as torch defines them, from
@@ -16,8 +15,8 @@ Under ``torch.compile`` (``torch.compile(opt.step)``, or a compiled training ste
 as PyTorch's optimizer tutorial shows) the step runs eagerly: it is one fused kernel call already,
 and Dynamo cannot trace the extension's methods (it called a nanobind method without its ``self``
 and the step failed with a ``TypeError``). Once ``torch._dynamo`` is loaded, the entry
-goes through ``torch.compiler.disable``, about 0.2 microseconds per step (the 2-core EPYC),
-whether or not this call is compiled: Dynamo compiles each new frame below a frame it gave up on,
+goes through ``torch.compiler.disable`` (a small cost per step), whether or not this call is
+compiled: Dynamo compiles each new frame below a frame it gave up on,
 so ``is_compiling()`` read in the entry says False there and cannot tell."""
 from __future__ import annotations
 
@@ -65,7 +64,7 @@ def fast_step_entry(step: _F) -> _F:
 
     def public(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         # Only where torch._dynamo is loaded can torch.compile be tracing this call; importing it
-        # here would cost about a second on the first step (tests/test_optim.py).
+        # here would slow the first step severalfold (tests/test_optim.py).
         if "torch._dynamo" in sys.modules:
             if not eager:
                 eager.append(torch.compiler.disable(entry))
