@@ -7,6 +7,12 @@ length; all tensors are on one device, contiguous and non-empty; params and grad
 dtype, the states share one (possibly different) state dtype; all share one hyperparameter
 object of the rule. A backend never fails on such input, so a step that passed validation
 cannot leave tensors half-updated.
+
+Two more forms of the Adam rule are modes of the same call: ``sr_keys`` (one ``lowbit.sr_key`` per
+param) stores bf16 params by stochastic rounding; rule ``"adam8bit"`` (``lowbit.ADAM8BIT``) updates
+8-bit block-wise moments, its states ``[exp_avg_codes, exp_avg_absmax, exp_avg_sq_codes,
+exp_avg_sq_absmax]`` (codes of the param's shape, one fp32 scale per block), its hyper the plain
+``AdamHyper``. Every backend runs both (the foreach tier through the Python reference).
 """
 from __future__ import annotations
 
@@ -45,7 +51,21 @@ class Backend(Protocol):
     def prepare(self, kernels: Iterable[Kernel]) -> None: ...
 
     def update(self, rule: str, params: TensorList, grads: TensorList, states: Sequence[TensorList],
-               hp: Any) -> None: ...
+               hp: Any, sr_keys: Optional[Sequence[int]] = None) -> None: ...
+
+
+def _reference_lowbit(rule: str, params: TensorList, grads: TensorList, states: Sequence[TensorList], hp: Any,
+                      sr_keys: Optional[Sequence[int]]) -> None:
+    """The low-bit forms of Adam, one tensor at a time through the Python reference (a correct,
+    not fast, path: the tier of devices without a kernel of ours)."""
+    from ..numerics.reference_lowbit import reference_adam8bit_, reference_adam_sr_
+    keys = sr_keys if sr_keys is not None else [None] * len(params)
+    if rule == "adam8bit":
+        for p, g, c1, a1, c2, a2, key in zip(params, grads, *states, keys):
+            reference_adam8bit_(p, g, c1, a1, c2, a2, hp, key)
+    else:
+        for p, g, m, v, key in zip(params, grads, *states, keys):
+            reference_adam_sr_(p, g, m, v, hp, key)
 
 
 def _foreach_adam(params: TensorList, grads: TensorList, states: Sequence[TensorList], hp: AdamHyper) -> None:
@@ -118,21 +138,6 @@ def _foreach_adagrad(params: TensorList, grads: TensorList, states: Sequence[Ten
         torch._foreach_copy_(list(sums), acc)
 
 
-def _reference_adam_sr(params: TensorList, grads: TensorList, states: Sequence[TensorList], hp: Any) -> None:
-    """Adam with stochastic rounding (``lowbit.AdamSRHyper``: one key, so one tensor per call as on
-    the Metal tiers), through its plain-torch reference: a correct, not a fast, path."""
-    from ..numerics.reference_lowbit import reference_adam_sr_
-    for p, g, m, v in zip(params, grads, *states):
-        reference_adam_sr_(p, g, m, v, hp.adam, hp.sr_key)
-
-
-def _reference_adam8bit(params: TensorList, grads: TensorList, states: Sequence[TensorList], hp: Any) -> None:
-    """8-bit Adam (``lowbit.ADAM8BIT``'s states, ``Adam8bitTensorHyper``) through its reference."""
-    from ..numerics.reference_lowbit import reference_adam8bit_
-    for p, g, c1, c2, a1, a2 in zip(params, grads, *states[:4]):
-        reference_adam8bit_(p, g, c1, a1, c2, a2, hp.adam, hp.sr_key)
-
-
 class ForeachBackend:
     """Tier 4: ``torch._foreach_*`` ops in fp32 math, rounded back to the storage dtype.
 
@@ -141,19 +146,20 @@ class ForeachBackend:
     """
 
     name = "foreach"
-    RULES: dict[str, Callable[..., None]] = {"adam": _foreach_adam, "lion": _foreach_lion, "adagrad": _foreach_adagrad,
-                                             "adam_sr": _reference_adam_sr, "adam8bit": _reference_adam8bit}
+    RULES: dict[str, Callable[..., None]] = {"adam": _foreach_adam, "lion": _foreach_lion, "adagrad": _foreach_adagrad}
 
     def unavailable(self, kernel: Kernel) -> Optional[str]:
-        """Every rule of the table on the storage dtypes the kernels have: the foreach tier is the
-        last one, so it runs what any other does (the low-bit rules through their references)."""
-        return _standard_kernel(kernel, self.RULES, "the foreach tier")
+        """Every rule and ``adam8bit`` on the storage dtypes the kernels have: the foreach tier is the
+        last one, so it runs what any other does (the low-bit forms through their references)."""
+        return _standard_kernel(kernel, {*self.RULES, "adam8bit"}, "the foreach tier")
 
     def prepare(self, kernels: Iterable[Kernel]) -> None:
         """Nothing to build; a kernel it does not run raises here, before anything is updated."""
         _require(self, kernels)
 
-    def update(self, rule: str, params, grads, states, hp) -> None:
+    def update(self, rule: str, params, grads, states, hp, sr_keys=None) -> None:
+        if rule == "adam8bit" or sr_keys is not None:
+            return _reference_lowbit(rule, params, grads, states, hp, sr_keys)
         fn = self.RULES.get(rule)
         if fn is None:
             raise NotImplementedError(f"the foreach tier has no form of rule {rule!r}")
@@ -161,19 +167,18 @@ class ForeachBackend:
 
 
 _LOWBIT_STATE = {"adam8bit": (torch.uint8,)}  # rules whose states are not fp32 or the param dtype
-_BF16_ONLY = ("adam_sr",)  # rules of bf16 params only
 
 
 def _standard_kernel(kernel: Kernel, rules: Iterable[str], who: str) -> Optional[str]:
     """Why ``who`` (a backend with a form of each rule of ``rules`` for every param dtype of
     SUPPORTED_DTYPES with fp32 or same-dtype states) does not run ``kernel``, or None."""
     rule, p, s = kernel
+    if rule == "adam_sr":  # the Metal kernels' name of it
+        return f"{who} runs stochastic rounding as the sr_keys mode of rule 'adam'"
     if rule not in rules:
         return f"{who} has no form of rule {rule!r}"
     if p not in SUPPORTED_DTYPES:
         return f"{who} has no kernel for {p} params"
-    if rule in _BF16_ONLY and p is not torch.bfloat16:
-        return f"rule {rule!r} is for bfloat16 params only"
     if s not in _LOWBIT_STATE.get(rule, (torch.float32, p)):
         return f"{who} has no {describe(kernel)} kernel (states: float32 or the param dtype)"
     return None
@@ -198,6 +203,7 @@ class CPUBackend:
     def __init__(self) -> None:
         from .. import _cpu  # noqa: F401  (ImportError tells the caller why this tier is out)
         self._cpu = _cpu
+        self._rules = frozenset(_cpu.rules())
         self.simd = _cpu.simd_path()
         wanted = os.environ.get("MPS_FUSED_ADAM_SIMD")
         if wanted and wanted != self.simd:
@@ -218,15 +224,9 @@ class CPUBackend:
                           f"(_cpu.thread_pool() says which pool runs)", RuntimeWarning)
 
     def unavailable(self, kernel: Kernel) -> Optional[str]:
-        """The rules this build of ``_cpu`` has (``_cpu.rules()``), on fp32, fp16 and bf16 params with
-        fp32 or same-dtype states; ``adam_sr`` as its Adam rule's bf16 stochastic-rounding store
-        (``sr_keys``), ``adam8bit`` through ``_cpu.adam8bit_step``."""
-        rules = set(self._cpu.rules())
-        if "adam" in rules:
-            rules.add("adam_sr")
-        if hasattr(self._cpu, "adam8bit_step"):
-            rules.add("adam8bit")
-        return _standard_kernel(kernel, rules, "the _cpu extension")
+        """The rules this build of ``_cpu`` has (``_cpu.rules()``) and ``adam8bit``, on fp32, fp16
+        and bf16 params with fp32 or same-dtype states (uint8 codes for ``adam8bit``)."""
+        return _standard_kernel(kernel, self._rules | {"adam8bit"}, "the _cpu extension")
 
     def prepare(self, kernels: Iterable[Kernel]) -> None:
         """Nothing to build (the kernels are compiled in); a kernel it does not run raises here."""
@@ -234,29 +234,26 @@ class CPUBackend:
 
     def update(self, rule: str, params, grads, states, hp, sr_keys=None) -> None:
         """``sr_keys``: for bf16 params, one ``lowbit.sr_key`` per param to store them by
-        stochastic rounding (lowbit.py's contract); None rounds to nearest even. The rules
-        ``adam_sr`` (``lowbit.AdamSRHyper``) and ``adam8bit`` (``lowbit.ADAM8BIT``'s six state
-        lists, ``Adam8bitTensorHyper``) take the Metal tiers' arguments, one key per call."""
-        if rule == "adam_sr":
-            return self.update("adam", params, grads, states, hp.adam, sr_keys=[hp.sr_key] * len(params))
+        stochastic rounding (lowbit.py's contract); None rounds to nearest even."""
         if rule == "adam8bit":
-            return self._adam8bit(params, grads, states, hp)
+            return self._adam8bit(params, grads, states, hp, sr_keys)
         self._cpu.step(
             rule, addresses(params), addresses(grads), [addresses(lst) for lst in states], numels(params),
             _DTYPE_CODES[params[0].dtype], _DTYPE_CODES[states[0][0].dtype],
             packed_scalars(rule, hp), torch.get_num_threads(), sr_keys,
         )
 
-    def _adam8bit(self, params, grads, states, hp) -> None:
-        from ..numerics.lowbit import pack_adam8bit
-        codes1, codes2, absmax1, absmax2, map1, map2 = states
-        key = hp.sr_key
-        blob = pack_adam8bit(hp.adam)
-        for i, p in enumerate(params):
-            self._cpu.adam8bit_step(
-                p.data_ptr(), grads[i].data_ptr(), codes1[i].data_ptr(), absmax1[i].data_ptr(), codes2[i].data_ptr(),
-                absmax2[i].data_ptr(), p.numel(), _DTYPE_CODES[p.dtype], map1[i].data_ptr(), map2[i].data_ptr(), blob,
-                0 if key is None else key, key is not None, torch.get_num_threads())
+    def _adam8bit(self, params, grads, states, hp, sr_keys) -> None:
+        """One ``adam8bit_step_many`` call: the tensors' blocks are shared among the threads as one range."""
+        from ..numerics import lowbit
+        n = len(params)
+        codes1, absmax1, codes2, absmax2 = states
+        self._cpu.adam8bit_step_many(
+            addresses(params), addresses(grads), addresses(codes1), addresses(absmax1), addresses(codes2),
+            addresses(absmax2), numels(params), [_DTYPE_CODES[params[0].dtype]] * n,
+            lowbit.kernel_table(True).data_ptr(), lowbit.kernel_table(False).data_ptr(),
+            [packed_scalars("adam8bit", hp)] * n, [0] * n if sr_keys is None else list(sr_keys),
+            [int(sr_keys is not None)] * n, torch.get_num_threads())
 
 
 _PACKED: dict[tuple, tuple[Any, bytes]] = {}
@@ -268,8 +265,9 @@ def packed_scalars(rule: str, hp: Any) -> bytes:
     packs the same hyperparameters once per param, and packing costs about 5 us. The key holds the
     sign of every zero field besides ``hp`` (whose equality takes -0.0 for 0.0, which the kernels
     may not); an entry counts only for the very rule object that packed it, so a rule replaced in
-    ``contract.RULES`` (as the self-check's tests do) is packed afresh."""
-    spec = rule_spec(rule)
+    ``contract.RULES`` (as the self-check's tests do) is packed afresh. Rule ``"adam8bit"``: the
+    8-bit kernels' scalars of ``AdamHyper`` ``hp`` (``lowbit.pack_adam8bit``)."""
+    spec = _ADAM8BIT_PACKER if rule == "adam8bit" else rule_spec(rule)
     try:
         key = (rule, hp, tuple(math.copysign(1.0, v) for v in vars(hp).values() if v == 0))
         packer, packed = _PACKED[key]
@@ -284,6 +282,16 @@ def packed_scalars(rule: str, hp: Any) -> bytes:
         _PACKED.clear()
     _PACKED[key] = (spec, packed)
     return packed
+
+
+class _Adam8bitPacker:
+    @staticmethod
+    def pack(hp: Any) -> bytes:
+        from ..numerics.lowbit import pack_adam8bit
+        return pack_adam8bit(hp)
+
+
+_ADAM8BIT_PACKER = _Adam8bitPacker()
 
 
 class TorchFusedBackend:
@@ -306,9 +314,9 @@ class TorchFusedBackend:
     def prepare(self, kernels: Iterable[Kernel]) -> None:
         _require(self, kernels)
 
-    def update(self, rule: str, params, grads, states, hp) -> None:
-        if rule != "adam" or states[0][0].dtype != params[0].dtype:
-            return self._fallback.update(rule, params, grads, states, hp)
+    def update(self, rule: str, params, grads, states, hp, sr_keys=None) -> None:
+        if rule != "adam" or sr_keys is not None or states[0][0].dtype != params[0].dtype:
+            return self._fallback.update(rule, params, grads, states, hp, sr_keys)
         exp_avgs, exp_avg_sqs = states
         fused = torch._fused_adamw_ if hp.adam_w_mode else torch._fused_adam_
         steps = [torch.tensor(float(hp.step), device=params[0].device)] * len(params)
@@ -322,16 +330,17 @@ class TorchFusedBackend:
 
 
 def update_staged(backend: Backend, rule: str, params: TensorList, grads: TensorList,
-                  states: Sequence[TensorList], hp: Any) -> None:
+                  states: Sequence[TensorList], hp: Any, sr_keys: Optional[Sequence[int]] = None) -> None:
     """``backend.update`` for tensors that need not be contiguous: non-contiguous ones go through
     contiguous copies that are written back, so their update is never lost (DeepSpeed's CPU Adam
     silently loses it)."""
+    extra = {} if sr_keys is None else {"sr_keys": sr_keys}
     lists = (params, grads, *states)
     if all(t.is_contiguous() for tensors in lists for t in tensors):
-        backend.update(rule, params, grads, states, hp)
+        backend.update(rule, params, grads, states, hp, **extra)
         return
     staged = [[t.contiguous() for t in tensors] for tensors in lists]
-    backend.update(rule, staged[0], staged[1], staged[2:], hp)
+    backend.update(rule, staged[0], staged[1], staged[2:], hp, **extra)
     written = [(params, staged[0])] + list(zip(states, staged[2:]))
     for originals, copies in written:
         for orig, copy in zip(originals, copies):
@@ -399,6 +408,32 @@ def get_backend(device: torch.device | str) -> Backend:
             if backend is None:
                 backend = _chosen[device_type] = _choose(device_type)
     return backend
+
+
+_FOREACH = ForeachBackend()
+
+
+def backend_for(device: torch.device | str, kernel: Kernel) -> Backend:
+    """The backend that runs ``kernel`` for tensors on ``device``: the device's (``get_backend``)
+    where it runs the kernel (``unavailable``), else the foreach tier, which runs every rule."""
+    backend = get_backend(device)
+    unavailable = getattr(backend, "unavailable", None)
+    if unavailable is None or unavailable(kernel) is None:
+        return backend
+    return _FOREACH
+
+
+def prepare(kernels_by_device: dict[torch.device, set]) -> None:
+    """``prepare`` each device's backend with the kernels a step is about to run (all or nothing)."""
+    for device, kernels in kernels_by_device.items():
+        by_backend: dict[int, tuple[Any, list]] = {}
+        for kernel in kernels:
+            backend = backend_for(device, kernel)
+            by_backend.setdefault(id(backend), (backend, []))[1].append(kernel)
+        for backend, ks in by_backend.values():
+            prep = getattr(backend, "prepare", None)
+            if prep is not None:
+                prep(ks)
 
 
 def backend_info() -> dict[str, dict[str, object]]:

@@ -30,7 +30,7 @@ import torch
 from .addressing import addresses, numels
 from .kernel import Kernel, describe
 from ..numerics.contract import RULES, AdamHyper, rule as rule_spec
-from ..numerics.lowbit import ADAM8BIT, ADAM_SR
+from ..numerics.lowbit import ADAM8BIT, ADAM_SR, Adam8bitTensorHyper, AdamSRHyper, kernel_table
 
 ELEMS_PER_THREAD = 4
 # 2^30 threads cover 2^32 elements: thread_position_in_grid is a 32-bit uint, and keeping each
@@ -102,6 +102,22 @@ def fast_math_note(backend_name: str, environ: Mapping[str, str] = os.environ) -
             "(metal::precise::), but NaN/Inf handling and fp32 subnormals may differ from the "
             "contract; on macOS 14 (Metal 3.1) whether contraction stays off is not established "
             "(untested on Apple hardware). Unset it for the contract's results.")
+
+
+def kernel_calls(rule: str, params, grads, states, hp, sr_keys=None):
+    """The Metal kernel calls ``(rule, params, grads, states, hyper)`` of one backend call: itself,
+    or for 8-bit states and stochastic rounding one call per tensor (the key is per tensor), in the
+    kernels' buffer order (codes, codes, scales, scales, then the two maps: ``lowbit.ADAM8BIT``)."""
+    if rule == ADAM8BIT.name:
+        for i, (p, g, c1, a1, c2, a2) in enumerate(zip(params, grads, *states)):
+            maps = [[kernel_table(True, p.device)], [kernel_table(False, p.device)]]
+            yield (rule, [p], [g], [[c1], [c2], [a1], [a2], *maps],
+                   Adam8bitTensorHyper(hp, None if sr_keys is None else sr_keys[i]))
+    elif sr_keys is not None:
+        for p, g, m, v, key in zip(params, grads, *states, sr_keys):
+            yield ADAM_SR.name, [p], [g], [[m], [v]], AdamSRHyper(hp, key)
+    else:
+        yield rule, params, grads, states, hp
 
 
 def kernel_name(rule: str, param_dtype: torch.dtype, state_dtype: torch.dtype) -> str:
@@ -187,6 +203,15 @@ def missing_metallib(path: Path) -> FileNotFoundError:
         "and reinstall)")
 
 
+def _forms(kernel: Kernel) -> tuple[Kernel, ...]:
+    """The Metal kernels that one backend kernel may run: Adam on bf16 params also runs as
+    ``adam_sr`` (its ``sr_keys`` mode, :func:`kernel_calls`), so a tier takes such a bucket only
+    when it runs both."""
+    if kernel.rule == "adam" and kernel.param_dtype is torch.bfloat16:
+        return kernel, Kernel(ADAM_SR.name, kernel.param_dtype, kernel.state_dtype)
+    return (kernel,)
+
+
 class _PerKernel:
     """What tiers 1 to 3 share: each kernel is available on its own. One whose pipeline did not
     build, or whose probe (:func:`probe_kernel`, run by :meth:`prepare` before the kernel's first
@@ -202,26 +227,32 @@ class _PerKernel:
 
     def unavailable(self, kernel: Kernel) -> Optional[str]:
         kernel = Kernel(*kernel)
-        if kernel not in KERNELS:
-            return f"the Metal kernels have no {describe(kernel)} form"
-        return self._refused.get(kernel)
+        for form in _forms(kernel):
+            if form not in KERNELS:
+                return f"the Metal kernels have no {describe(form)} form"
+            why = self._refused.get(form)
+            if why is not None:
+                return why if form == kernel else f"its stochastic-rounding kernel ({describe(form)}) {why}"
+        return None
 
     def _build(self, kernel: Kernel) -> Optional[str]:
         """Why ``kernel``'s pipeline cannot be had on this tier, or None (built)."""
         return None
 
     def prepare(self, kernels: Iterable[Kernel]) -> None:
-        """Builds and probes each kernel not yet probed, every one of them (a failure refuses that
-        kernel only); then raises, naming each, if any of ``kernels`` is unavailable here."""
+        """Builds and probes each kernel (and its other forms: :func:`_forms`) not yet probed, every
+        one of them (a failure refuses that kernel only); then raises, naming each, if any of
+        ``kernels`` is unavailable here."""
         refused = []
         for kernel in dict.fromkeys(Kernel(*k) for k in kernels):
+            for form in _forms(kernel):
+                if form in KERNELS and form not in self._refused and form not in self._probed:
+                    why = self._build(form) or probe_kernel(self, form, self.probe_device)
+                    if why is None:
+                        self._probed.add(form)
+                    else:
+                        self._refused[form] = why
             why = self.unavailable(kernel)
-            if why is None and kernel not in self._probed:
-                why = self._build(kernel) or probe_kernel(self, kernel, self.probe_device)
-                if why is None:
-                    self._probed.add(kernel)
-                else:
-                    self._refused[kernel] = why
             if why is not None:
                 refused.append(f"{describe(kernel)}: {why}")
         if refused:
@@ -250,7 +281,13 @@ class MetalExtBackend(_PerKernel):
         self._ext = ext
         self._buffer_of = buffer_of
 
-    def update(self, rule: str, params, grads, states, hp) -> None:
+    def update(self, rule: str, params, grads, states, hp, sr_keys=None) -> None:
+        for call in kernel_calls(rule, params, grads, states, hp, sr_keys):
+            self.run_kernel(*call)
+
+    def run_kernel(self, rule: str, params, grads, states, hp) -> None:
+        """One kernel of KERNELS with its own arguments (lowbit.ADAM8BIT's buffer order and
+        hyperparameters; ``adam_sr``: ``AdamSRHyper``): what the probes run."""
         b = self._buffer_of
         if b is mps_buffer:  # the same triples, fewer reads per tensor
             n = numels(params)  # grads and states have their param's shape (validated)
@@ -292,7 +329,12 @@ class ShaderLibraryBackend(_PerKernel):
             return f"its pipeline was not built: {exc!r}"
         return None
 
-    def update(self, rule: str, params, grads, states, hp) -> None:
+    def update(self, rule: str, params, grads, states, hp, sr_keys=None) -> None:
+        for call in kernel_calls(rule, params, grads, states, hp, sr_keys):
+            self.run_kernel(*call)
+
+    def run_kernel(self, rule: str, params, grads, states, hp) -> None:
+        """One kernel of KERNELS with its own arguments (see MetalExtBackend.run_kernel)."""
         fn, group = self._kernel((rule, params[0].dtype, states[0][0].dtype))
         words = params_as_words(pack_params(hp, rule))
         for tensors in zip(params, grads, *states):
@@ -379,7 +421,7 @@ def probe_kernel(backend: Any, kernel: Kernel, device: str | torch.device, n: in
     try:
         ours = [t.to(device, copy=True) for t in start]
         for hp in hypers:
-            backend.update(kernel.rule, [ours[0]], [ours[1]], [[t] for t in ours[2:]], hp)
+            backend.run_kernel(kernel.rule, [ours[0]], [ours[1]], [[t] for t in ours[2:]], hp)
         got = [t.cpu() for t in ours]  # waits for the GPU
     except Exception as exc:
         return f"{what} failed: {exc!r}"
