@@ -6,6 +6,11 @@
 3. ``torch.mps.compile_shader`` on the bundled ``metal/fused_adam.metal`` source.
 (4, the foreach tier, is ``backends.ForeachBackend``; ``backends`` falls back to it.)
 
+Each tier runs kernel by kernel (:class:`_PerKernel`): a kernel whose pipeline does not build, or
+that fails its probe (:func:`probe_kernel`, run by ``prepare`` before its first real dispatch), is
+unavailable at that tier with the reason; ``backends.chain.TierChain`` sends its tensors to the
+next tier and keeps the rest where they are.
+
 The device-specific pieces are parameters of :func:`mps_tiers` so the tests can drive this exact
 code on CPU tensors through stand-ins built from the same kernel source (tests/emulated_mps.py):
 ``load_ext`` (imports ``_metal``), ``mps_api`` (the object with ``load_metallib`` and
@@ -408,8 +413,8 @@ def _probe_case(kernel: Kernel, n: int) -> tuple[tuple[torch.Tensor, ...], tuple
 
 
 def probe_kernel(backend: Any, kernel: Kernel, device: str | torch.device, n: int = PROBE_ELEMENTS) -> Optional[str]:
-    """Two steps of ``kernel`` through ``backend`` on ``n`` elements on ``device`` against the
-    reference on the CPU: None when every output agrees (:func:`_differs`), else what failed.
+    """Two steps of ``kernel`` through ``backend.run_kernel`` (the kernel with its own arguments) on
+    ``n`` elements on ``device`` against the reference on the CPU: None when every output agrees (:func:`_differs`), else what failed.
 
     Each Metal tier runs it for a kernel before the kernel's first real dispatch (``prepare``), so
     that a kernel which builds but cannot run (a torch whose ShaderLibrary binds arguments
@@ -433,7 +438,7 @@ def probe_kernel(backend: Any, kernel: Kernel, device: str | torch.device, n: in
     return None
 
 
-def probe(backend: Any, device: str | torch.device) -> None:
+def probe(backend: Any) -> None:
     """The first-use probe of a tier: :data:`BASE_KERNEL` must pass :meth:`prepare`, or the tier
     is refused like one that does not load and the next one is used. Raises ``RuntimeError``
     saying what failed."""
@@ -445,8 +450,8 @@ def mps_tiers(*, load_ext: Callable[[], Any] | None = None, mps_api: Any = None,
               torch_version: Callable[[], tuple[int, int]] = torch_version,
               probe_device: str = "mps") -> list[tuple[str, Callable[[], Any]]]:
     """Tiers 1-3 as ``(label, factory)`` in preference order; each factory raises why it can't
-    load, or why it cannot run (:func:`probe` on ``probe_device``: the stand-ins of the tests run
-    on CPU tensors). Each tier then probes every other kernel in its ``prepare``, on the same device."""
+    load, or why it cannot run (:func:`probe`). Each tier probes every other kernel in its
+    ``prepare``; the probes run on ``probe_device`` (the stand-ins of the tests: CPU tensors)."""
     pkg = package_dir if package_dir is not None else _package_dir()
 
     def api() -> Any:
@@ -483,7 +488,7 @@ def mps_tiers(*, load_ext: Callable[[], Any] | None = None, mps_api: Any = None,
     def probed(make: Callable[[], Any]) -> Callable[[], Any]:
         def factory() -> Any:
             backend = make()
-            probe(backend, probe_device)
+            probe(backend)
             return backend
         return factory
 
