@@ -69,15 +69,17 @@ def _each_kernel():
 @pytest.mark.parametrize("make", [backends.CPUBackend, ForeachBackend, TorchFusedBackend],
                          ids=["cpu", "foreach", "torch-fused"])
 def test_backends_declare_what_they_run(make):
-    """Each backend runs every kernel of the table (every rule, dtype pair, 8-bit, stochastic
-    rounding) and says why not for anything else; prepare() raises on what it does not run."""
+    """Each backend runs every kernel of the table (every rule, dtype pair, 8-bit; stochastic
+    rounding is the sr_keys mode of Adam, which the Metal kernels alone name ``adam_sr``) and
+    says why not for anything else; prepare() raises on what it does not run."""
     from mps_fused_adam.backends import Kernel
     backend = make()
-    assert [k for k in _each_kernel() if backend.unavailable(k) is not None] == []
-    backend.prepare(_each_kernel())
+    kernels = [k for k in _each_kernel() if k.rule != "adam_sr"]
+    assert [k for k in kernels if backend.unavailable(k) is not None] == []
+    backend.prepare(kernels)
     f32, bf16 = torch.float32, torch.bfloat16
     assert "no form of rule 'sgd'" in backend.unavailable(Kernel("sgd", f32, f32))
-    assert "bfloat16 params only" in backend.unavailable(Kernel("adam_sr", f32, f32))
+    assert "the sr_keys mode of rule 'adam'" in backend.unavailable(Kernel("adam_sr", bf16, f32))
     assert "has no adam bfloat16/float16 kernel" in backend.unavailable(Kernel("adam", bf16, torch.float16))
     assert "no kernel for torch.float64 params" in backend.unavailable(Kernel("adam", torch.float64, torch.float64))
     with pytest.raises(RuntimeError, match=r"does not run adam8bit float32/float32"):
@@ -87,8 +89,8 @@ def test_backends_declare_what_they_run(make):
 @pytest.mark.parametrize("make", [backends.CPUBackend, ForeachBackend], ids=["cpu", "foreach"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lowbit_rules_through_the_common_update_match_the_references(make, dtype):
-    """``update("adam8bit", ...)`` and ``update("adam_sr", ...)`` take the Metal tiers' arguments
-    on the CPU and foreach backends too, bit for bit the references."""
+    """``update("adam8bit", ...)`` and Adam's ``sr_keys`` mode on the CPU and foreach backends, bit
+    for bit the references."""
     from mps_fused_adam.numerics import lowbit
     from mps_fused_adam.numerics.reference_lowbit import reference_adam8bit_, reference_adam_sr_
     gen = torch.Generator().manual_seed(11)
@@ -105,8 +107,7 @@ def test_lowbit_rules_through_the_common_update_match_the_references(make, dtype
         g = torch.randn(n, generator=gen).to(dtype)
         key = lowbit.sr_key(5, step) if dtype is torch.bfloat16 and step > 1 else None
         hp = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.1, step)
-        backend.update("adam8bit", [ours], [g], [[so[0]], [so[2]], [so[1]], [so[3]], [lowbit.kernel_table(True)],
-                                                 [lowbit.kernel_table(False)]], lowbit.Adam8bitTensorHyper(hp, key))
+        backend.update("adam8bit", [ours], [g], [[t] for t in so], hp, sr_keys=None if key is None else [key])
         reference_adam8bit_(ref, g, *sr_, hp, key)
     assert torch.equal(ours.view(torch.uint8), ref.view(torch.uint8))
     assert all(torch.equal(a, b) for a, b in zip(so, sr_))
@@ -116,6 +117,6 @@ def test_lowbit_rules_through_the_common_update_match_the_references(make, dtype
         for step in (1, 2):
             g = torch.randn(n, generator=gen).to(dtype)
             hp = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.1, step)
-            backend.update("adam_sr", [ours], [g], [[m], [v]], lowbit.AdamSRHyper(hp, lowbit.sr_key(9, step)))
+            backend.update("adam", [ours], [g], [[m], [v]], hp, sr_keys=[lowbit.sr_key(9, step)])
             reference_adam_sr_(ref, g, mr, vr, hp, lowbit.sr_key(9, step))
         assert torch.equal(ours.view(torch.uint8), ref.view(torch.uint8)) and torch.equal(v, vr)

@@ -20,7 +20,7 @@ from emulated_mps import FakeMetalExt, FakeMpsApi, make_backend, make_chain
 from mps_fused_adam import backends
 from mps_fused_adam.backends import Kernel
 from mps_fused_adam.backends.chain import CHOSEN, FAILED, LOADED, NOT_TRIED
-from mps_fused_adam.backends.mps import BASE_KERNEL, KERNELS, METALLIB_NAME, kernel_name
+from mps_fused_adam.backends.mps import BASE_KERNEL, KERNELS, METALLIB_NAME, PROBE_ELEMENTS, kernel_name
 from mps_fused_adam.numerics.contract import RULES
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -40,6 +40,7 @@ def params_of_each_dtype(seed=3):
 def train(backend, monkeypatch, params, steps=3, cls=mfa.AdamW, **kw):
     """``steps`` steps of ``cls`` over ``params`` with ``backend`` serving CPU tensors."""
     monkeypatch.setitem(backends._chosen, "cpu", backend)
+    torch.manual_seed(0)  # the stochastic-rounding seeds come from torch's generator
     opt = cls(params, lr=1e-2, weight_decay=0.1, **kw)
     gen = torch.Generator().manual_seed(4)
     for _ in range(steps):
@@ -52,25 +53,23 @@ def train(backend, monkeypatch, params, steps=3, cls=mfa.AdamW, **kw):
 
 
 def train_8bit(backend, params, steps=3, sr=False):
-    """``steps`` 8-bit AdamW steps of each param straight through ``backend.update`` (the Metal
-    tiers' 8-bit and stochastic-rounding rules), from zero states; returns the states. (The
-    optimizer classes reach a chain this way once they ask backends what they run, issue 34.)"""
+    """``steps`` 8-bit AdamW steps of each param straight through ``backend.update`` (rule
+    ``adam8bit``: codes and block scales of both moments; ``sr_keys`` for bf16 stochastic
+    rounding), from zero states; returns the states."""
     from mps_fused_adam.numerics import lowbit
     from mps_fused_adam.numerics.contract import AdamHyper
     gen = torch.Generator().manual_seed(4)
     states = []
     for p in params:
         n, nb = p.numel(), lowbit.num_blocks(p.numel())
-        states.append([torch.full((n,), lowbit.SIGNED_ZERO_CODE, dtype=torch.uint8),
-                       torch.full((n,), lowbit.UNSIGNED_ZERO_CODE, dtype=torch.uint8), torch.zeros(nb),
-                       torch.zeros(nb), lowbit.kernel_table(True), lowbit.kernel_table(False)])
+        states.append([torch.full((n,), lowbit.SIGNED_ZERO_CODE, dtype=torch.uint8), torch.zeros(nb),
+                       torch.full((n,), lowbit.UNSIGNED_ZERO_CODE, dtype=torch.uint8), torch.zeros(nb)])
     for step in range(1, steps + 1):
         hp = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.1, step)
         for i, (p, st) in enumerate(zip(params, states)):
-            key = lowbit.sr_key(1000 + i, step) if sr and p.dtype is BF16 else None
+            keys = [lowbit.sr_key(1000 + i, step)] if sr and p.dtype is BF16 else None
             g = torch.randn(p.shape, generator=gen).to(p.dtype)
-            backend.update("adam8bit", [p.data.view(-1)], [g.view(-1)], [[t] for t in st],
-                           lowbit.Adam8bitTensorHyper(hp, key))
+            backend.update("adam8bit", [p.data.view(-1)], [g.view(-1)], [[t] for t in st], hp, sr_keys=keys)
     return states
 
 
@@ -189,10 +188,9 @@ def test_kernel_failing_its_probe_is_refused_before_any_param_moves(emu, pkg, mo
     params = fresh(start)
     eight = target.rule == "adam8bit"
     if eight:
-        real_states = train_8bit(chain, params)
+        got = train_8bit(chain, params)
     else:
-        opt = train(chain, monkeypatch, params)
-        real_states = [opt.state[p].values() for p in params]
+        train(chain, monkeypatch, params)
     assert chain.tier_of(target) == "load_metallib"
     why = chain.tiers_info()[0]["kernels_unavailable"][f"{target.rule} {str(target.param_dtype)[6:]}/" +
                                                        str(target.state_dtype)[6:]]
@@ -206,7 +204,6 @@ def test_kernel_failing_its_probe_is_refused_before_any_param_moves(emu, pkg, mo
     # The result is the next tier's: tier 2 alone, from the same start.
     other, ref = fresh(start), fresh(start)
     if eight:
-        got = real_states
         assert all(same_training(a, b) for a, b in zip(got, train_8bit(make_backend(2, pkg, emu), other)))
         assert all(same_training(a, b) for a, b in zip(got, train_8bit(backends.ForeachBackend(), ref)))
     else:
@@ -329,3 +326,30 @@ def test_selfcheck_prints_every_tier_with_its_state(emu, pkg):
     results = list(filter(tier1.runs, check_backend(tier1.backend, "cpu", tier1.label, n=300)))
     assert [r.dtypes for r in results if "bfloat16" in r.dtypes] == []
     assert len(results) == 3 * 3 and all(r.passed for r in results), results
+
+
+def test_optimizer_step_probes_every_kernel_before_encoding_any(emu, pkg, monkeypatch):
+    """The optimizers prepare a step's kernels before its first update (issue 34's one base):
+    on the chain every probe of the first step comes before any real dispatch, so a refused
+    kernel reroutes its tensors before anything of the step is encoded. AdamW8bit with bf16
+    stochastic rounding on a device without bfloat: the result is the plain tier 2's."""
+    ext = Sabotaged(emu, kernel_name("adam8bit", F16, torch.uint8), "wrong")
+    ext.bfloat = False
+    chain = make_chain(pkg, emu, ext=ext)
+    gen = torch.Generator().manual_seed(12)
+    start = [torch.nn.Parameter(torch.randn(s, generator=gen).to(d))
+             for s, d in (((64, 80), F32), ((40, 30), F16), ((50, 20), BF16), ((7,), BF16))]
+    params, other = fresh(start), fresh(start)
+    kw = dict(cls=mfa.AdamW8bit, min_8bit_size=256, bf16_stochastic_round=True)
+    ext.calls.clear()
+    train(chain, monkeypatch, params, steps=1, **kw)
+    sizes = [lst[0][2] for c in ext.calls for lst in c[1][:1]]
+    real = [i for i, n in enumerate(sizes) if n != PROBE_ELEMENTS]
+    assert real and max(i for i, n in enumerate(sizes) if n == PROBE_ELEMENTS) < real[0], sizes
+    train(chain, monkeypatch, params, steps=2, **kw)
+    train(make_backend(2, pkg, emu), monkeypatch, other, steps=1, **kw)
+    train(make_backend(2, pkg, emu), monkeypatch, other, steps=2, **kw)
+    assert same_training(params, other)
+    assert chain.tier_of(Kernel("adam8bit", F32, torch.uint8)) == "metal"
+    assert chain.tier_of(Kernel("adam8bit", F16, torch.uint8)) == "load_metallib"
+    assert chain.tier_of(Kernel("adam8bit", BF16, torch.uint8)) == "load_metallib"

@@ -169,9 +169,9 @@ class ForeachBackend:
                                              "adam_sr": _reference_lowbit, "adam8bit": _reference_lowbit}
 
     def unavailable(self, kernel: Kernel) -> Optional[str]:
-        """Every rule of the table on the storage dtypes the kernels have: the foreach tier is the
-        last one, so it runs what any other does (the low-bit rules through their references)."""
-        return _standard_kernel(kernel, self.RULES, "the foreach tier")
+        """Every rule and ``adam8bit`` on the storage dtypes the kernels have: the foreach tier is the
+        last one, so it runs what any other does (the low-bit forms through their references)."""
+        return _standard_kernel(kernel, {*self.RULES, "adam8bit"}, "the foreach tier")
 
     def prepare(self, kernels: Iterable[Kernel]) -> None:
         """Nothing to build; a kernel it does not run raises here, before anything is updated."""
@@ -188,19 +188,18 @@ class ForeachBackend:
 
 _LOWBIT_RULES = ("adam_sr", "adam8bit")
 _LOWBIT_STATE = {"adam8bit": (torch.uint8,)}  # rules whose states are not fp32 or the param dtype
-_BF16_ONLY = ("adam_sr",)  # rules of bf16 params only
 
 
 def _standard_kernel(kernel: Kernel, rules: Iterable[str], who: str) -> Optional[str]:
     """Why ``who`` (a backend with a form of each rule of ``rules`` for every param dtype of
     SUPPORTED_DTYPES with fp32 or same-dtype states) does not run ``kernel``, or None."""
     rule, p, s = kernel
+    if rule == "adam_sr":  # the Metal kernels' name of it
+        return f"{who} runs stochastic rounding as the sr_keys mode of rule 'adam'"
     if rule not in rules:
         return f"{who} has no form of rule {rule!r}"
     if p not in SUPPORTED_DTYPES:
         return f"{who} has no kernel for {p} params"
-    if rule in _BF16_ONLY and p is not torch.bfloat16:
-        return f"rule {rule!r} is for bfloat16 params only"
     if s not in _LOWBIT_STATE.get(rule, (torch.float32, p)):
         return f"{who} has no {describe(kernel)} kernel (states: float32 or the param dtype)"
     return None

@@ -69,19 +69,20 @@ class TierChain:
         return tier.backend is not None
 
     def unavailable(self, kernel: Kernel) -> Optional[str]:
-        """None if a loaded tier runs ``kernel`` (tiers not yet loaded are not asked), else why each did not."""
+        """None if a tier of the chain runs ``kernel`` (a later tier is loaded to answer when the
+        earlier ones do not; ``prepare`` still probes it), else why each tier does not."""
         kernel = Kernel(*kernel)
         if kernel in self._route:
             return None
         reasons = []
         for tier in self._tiers:
-            if tier.backend is None:
+            if not self._try_load(tier):
                 continue
             why = tier.refused.get(kernel) or tier.backend.unavailable(kernel)
             if why is None:
                 return None
             reasons.append(f"{tier.label}: {why}")
-        return "; ".join(reasons) or f"no loaded {self.device_type} backend runs {describe(kernel)}"
+        return "; ".join(reasons) or f"no {self.device_type} backend runs {describe(kernel)}"
 
     def prepare(self, kernels: Iterable[Kernel]) -> None:
         """Fixes each kernel's tier, loading and probing (through each tier's ``prepare``) as needed;
@@ -123,10 +124,11 @@ class TierChain:
                                    + "; ".join(f"{describe(k)} ({'; '.join(passed_over[k])})" for k in pending))
 
     def update(self, rule: str, params, grads, states, hp, sr_keys=None) -> None:
-        backend = self._route.get(kernel_of(rule, params, states))
-        if backend is None:
-            self.prepare([kernel_of(rule, params, states)])
-            backend = self._route[kernel_of(rule, params, states)]
+        kernel = kernel_of(rule, params, states)
+        backend = self._route.get(kernel)
+        if backend is None:  # a caller that did not prepare: the kernel is probed now, before it runs
+            self.prepare([kernel])
+            backend = self._route[kernel]
         if sr_keys is None:
             backend.update(rule, params, grads, states, hp)
         else:

@@ -6,6 +6,11 @@
 3. ``torch.mps.compile_shader`` on the bundled ``metal/fused_adam.metal`` source.
 (4, the foreach tier, is ``backends.ForeachBackend``; ``backends`` falls back to it.)
 
+Each tier runs kernel by kernel (:class:`_PerKernel`): a kernel whose pipeline does not build, or
+that fails its probe (:func:`probe_kernel`, run by ``prepare`` before its first real dispatch), is
+unavailable at that tier with the reason; ``backends.chain.TierChain`` sends its tensors to the
+next tier and keeps the rest where they are.
+
 The device-specific pieces are parameters of :func:`mps_tiers` so the tests can drive this exact
 code on CPU tensors through stand-ins built from the same kernel source (tests/emulated_mps.py):
 ``load_ext`` (imports ``_metal``), ``mps_api`` (the object with ``load_metallib`` and
@@ -206,6 +211,15 @@ def missing_metallib(path: Path) -> FileNotFoundError:
         "and reinstall)")
 
 
+def _forms(kernel: Kernel) -> tuple[Kernel, ...]:
+    """The Metal kernels that one backend kernel may run: Adam on bf16 params also runs as
+    ``adam_sr`` (its ``sr_keys`` mode, :func:`kernel_calls`), so a tier takes such a bucket only
+    when it runs both."""
+    if kernel.rule == "adam" and kernel.param_dtype is torch.bfloat16:
+        return kernel, Kernel(ADAM_SR.name, kernel.param_dtype, kernel.state_dtype)
+    return (kernel,)
+
+
 class _PerKernel:
     """What tiers 1 to 3 share: each kernel is available on its own. One whose pipeline did not
     build, or whose probe (:func:`probe_kernel`, run by :meth:`prepare` before the kernel's first
@@ -221,26 +235,32 @@ class _PerKernel:
 
     def unavailable(self, kernel: Kernel) -> Optional[str]:
         kernel = Kernel(*kernel)
-        if kernel not in KERNELS:
-            return f"the Metal kernels have no {describe(kernel)} form"
-        return self._refused.get(kernel)
+        for form in _forms(kernel):
+            if form not in KERNELS:
+                return f"the Metal kernels have no {describe(form)} form"
+            why = self._refused.get(form)
+            if why is not None:
+                return why if form == kernel else f"its stochastic-rounding kernel ({describe(form)}) {why}"
+        return None
 
     def _build(self, kernel: Kernel) -> Optional[str]:
         """Why ``kernel``'s pipeline cannot be had on this tier, or None (built)."""
         return None
 
     def prepare(self, kernels: Iterable[Kernel]) -> None:
-        """Builds and probes each kernel not yet probed, every one of them (a failure refuses that
-        kernel only); then raises, naming each, if any of ``kernels`` is unavailable here."""
+        """Builds and probes each kernel (and its other forms: :func:`_forms`) not yet probed, every
+        one of them (a failure refuses that kernel only); then raises, naming each, if any of
+        ``kernels`` is unavailable here."""
         refused = []
         for kernel in dict.fromkeys(Kernel(*k) for k in kernels):
+            for form in _forms(kernel):
+                if form in KERNELS and form not in self._refused and form not in self._probed:
+                    why = self._build(form) or probe_kernel(self, form, self.probe_device)
+                    if why is None:
+                        self._probed.add(form)
+                    else:
+                        self._refused[form] = why
             why = self.unavailable(kernel)
-            if why is None and kernel not in self._probed:
-                why = self._build(kernel) or probe_kernel(self, kernel, self.probe_device)
-                if why is None:
-                    self._probed.add(kernel)
-                else:
-                    self._refused[kernel] = why
             if why is not None:
                 refused.append(f"{describe(kernel)}: {why}")
         if refused:
@@ -271,9 +291,11 @@ class MetalExtBackend(_PerKernel):
 
     def update(self, rule: str, params, grads, states, hp, sr_keys=None) -> None:
         for call in kernel_calls(rule, params, grads, states, hp, sr_keys):
-            self._encode(*call)
+            self.run_kernel(*call)
 
-    def _encode(self, rule: str, params, grads, states, hp) -> None:
+    def run_kernel(self, rule: str, params, grads, states, hp) -> None:
+        """One kernel of KERNELS with its own arguments (lowbit.ADAM8BIT's buffer order and
+        hyperparameters; ``adam_sr``: ``AdamSRHyper``): what the probes run."""
         b = self._buffer_of
         if b is mps_buffer:  # the same triples, fewer reads per tensor
             n = numels(params)  # grads and states have their param's shape (validated)
@@ -317,9 +339,10 @@ class ShaderLibraryBackend(_PerKernel):
 
     def update(self, rule: str, params, grads, states, hp, sr_keys=None) -> None:
         for call in kernel_calls(rule, params, grads, states, hp, sr_keys):
-            self._dispatch(*call)
+            self.run_kernel(*call)
 
-    def _dispatch(self, rule: str, params, grads, states, hp) -> None:
+    def run_kernel(self, rule: str, params, grads, states, hp) -> None:
+        """One kernel of KERNELS with its own arguments (see MetalExtBackend.run_kernel)."""
         fn, group = self._kernel((rule, params[0].dtype, states[0][0].dtype))
         words = params_as_words(pack_params(hp, rule))
         for tensors in zip(params, grads, *states):
@@ -393,8 +416,8 @@ def _probe_case(kernel: Kernel, n: int) -> tuple[tuple[torch.Tensor, ...], tuple
 
 
 def probe_kernel(backend: Any, kernel: Kernel, device: str | torch.device, n: int = PROBE_ELEMENTS) -> Optional[str]:
-    """Two steps of ``kernel`` through ``backend`` on ``n`` elements on ``device`` against the
-    reference on the CPU: None when every output agrees (:func:`_differs`), else what failed.
+    """Two steps of ``kernel`` through ``backend.run_kernel`` (the kernel with its own arguments) on
+    ``n`` elements on ``device`` against the reference on the CPU: None when every output agrees (:func:`_differs`), else what failed.
 
     Each Metal tier runs it for a kernel before the kernel's first real dispatch (``prepare``), so
     that a kernel which builds but cannot run (a torch whose ShaderLibrary binds arguments
@@ -406,7 +429,7 @@ def probe_kernel(backend: Any, kernel: Kernel, device: str | torch.device, n: in
     try:
         ours = [t.to(device, copy=True) for t in start]
         for hp in hypers:
-            backend.update(kernel.rule, [ours[0]], [ours[1]], [[t] for t in ours[2:]], hp)
+            backend.run_kernel(kernel.rule, [ours[0]], [ours[1]], [[t] for t in ours[2:]], hp)
         got = [t.cpu() for t in ours]  # waits for the GPU
     except Exception as exc:
         return f"{what} failed: {exc!r}"
@@ -418,7 +441,7 @@ def probe_kernel(backend: Any, kernel: Kernel, device: str | torch.device, n: in
     return None
 
 
-def probe(backend: Any, device: str | torch.device) -> None:
+def probe(backend: Any) -> None:
     """The first-use probe of a tier: :data:`BASE_KERNEL` must pass :meth:`prepare`, or the tier
     is refused like one that does not load and the next one is used. Raises ``RuntimeError``
     saying what failed."""
@@ -430,8 +453,8 @@ def mps_tiers(*, load_ext: Callable[[], Any] | None = None, mps_api: Any = None,
               torch_version: Callable[[], tuple[int, int]] = torch_version,
               probe_device: str = "mps") -> list[tuple[str, Callable[[], Any]]]:
     """Tiers 1-3 as ``(label, factory)`` in preference order; each factory raises why it can't
-    load, or why it cannot run (:func:`probe` on ``probe_device``: the stand-ins of the tests run
-    on CPU tensors). Each tier then probes every other kernel in its ``prepare``, on the same device."""
+    load, or why it cannot run (:func:`probe`). Each tier probes every other kernel in its
+    ``prepare``; the probes run on ``probe_device`` (the stand-ins of the tests: CPU tensors)."""
     pkg = package_dir if package_dir is not None else _package_dir()
 
     def api() -> Any:
@@ -468,7 +491,7 @@ def mps_tiers(*, load_ext: Callable[[], Any] | None = None, mps_api: Any = None,
     def probed(make: Callable[[], Any]) -> Callable[[], Any]:
         def factory() -> Any:
             backend = make()
-            probe(backend, probe_device)
+            probe(backend)
             return backend
         return factory
 

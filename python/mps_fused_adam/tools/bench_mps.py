@@ -74,8 +74,9 @@ def _rule_contenders(rule: str, tensors: list[torch.Tensor], pdtype, sdtype,
     for label, factory in tiers:
         try:
             backend = factory()
-            out[f"ours {rule} ({label})"] = (lambda b: lambda: b.update(lowbit.ADAM8BIT.name if rule == "adam8bit"
-                                                                         else rule, raw, grads, states, hyper()))(backend)
+            # The kernel itself, with its own arguments (Metal's 8-bit buffer order, adam_sr's key).
+            out[f"ours {rule} ({label})"] = (lambda b: lambda: b.run_kernel(rule, raw, grads, states,
+                                                                             hyper()))(backend)
         except Exception as exc:
             notes.append(f"{label}: unavailable ({exc})")
     if rule == "adagrad":
