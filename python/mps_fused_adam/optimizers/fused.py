@@ -19,6 +19,7 @@ import torch
 from . import dtensor, in_backward, sr_seeds, step_counts, step_plan, torch_args, validate
 from .step_entry import fast_step_entry
 from ..backends import SUPPORTED_DTYPES, get_backend, update_staged
+from ..backends.versions import bump
 from ..numerics.contract import RULES, AdagradHyper, AdamHyper, LionHyper
 
 _Params = Iterable[Any]
@@ -304,8 +305,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
             # The plan holds only contiguous tensors and checked that each grad is: no staging.
             get_backend(bucket.device).update(self._rule, bucket.params, grads, bucket.states,
                                               self._hyper(group, step))
+            bump(bucket.params)
 
     def _step_full(self, group: dict[str, Any], fresh: list, buckets: dict) -> None:
+        # A bucket (_plan_group): params (a DTensor's local shard), grads, one list per state, the
+        # state dicts, and the params as the group holds them (whose version counters autograd reads).
         names = self._state_names
         nstates = len(names)
         for p, pi, slots in fresh:
@@ -317,26 +321,28 @@ class _FusedOptimizer(torch.optim.Optimizer):
             key = (p.device, p.dtype, sd, 0)
             bucket = buckets.get(key)
             if bucket is None:
-                bucket = buckets[key] = tuple([] for _ in range(nstates + 3))
+                bucket = buckets[key] = tuple([] for _ in range(nstates + 4))
             # A DTensor param's new states are DTensors like it (zeros_like): its shards are stepped.
             bucket[0].append(dtensor.local(p))
             g = p.grad
             bucket[1].append(dtensor.local(_materialised(g) if g._is_zerotensor() else g))
             for k, name in enumerate(names):
                 bucket[2 + k].append(dtensor.local(st[name]))
-            bucket[-1].append(st)
+            bucket[-2].append(st)
+            bucket[-1].append(p)
         sr = bool(group.get("bf16_stochastic_round"))
         for (device, pdtype, _, last_step), bucket in buckets.items():
             step = int(last_step) + 1
-            for st in bucket[-1]:
+            for st in bucket[-2]:
                 st["step"] = step
             if sr and pdtype is torch.bfloat16:
                 # Only the Adam rule has this option (_AdamBase's group key).
-                _stochastic_round_step(device, *bucket, self._hyper(group, step),
+                _stochastic_round_step(device, *bucket[:-1], self._hyper(group, step),
                                        functools.partial(sr_seeds.param_seed, self))
             else:
-                update_staged(get_backend(device), self._rule, bucket[0], bucket[1], list(bucket[2:-1]),
+                update_staged(get_backend(device), self._rule, bucket[0], bucket[1], list(bucket[2:-2]),
                               self._hyper(group, step))
+            bump(bucket[-1])
 
     def _step_plans(self) -> dict[int, Any]:
         """The groups' cached plans, or none when the optimizer's state dict has changed since they
@@ -375,7 +381,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         slots = self._slots(gi, params) if slots is None else slots
         supported, strided, only = SUPPORTED_DTYPES, torch.strided, self._device_type
         names = self._state_names
-        nlists = len(names) + 3
+        nlists = len(names) + 4  # see _step_full
         fresh: list = []
         buckets: dict[tuple, tuple] = {}
         fixed_sd = self._fixed_state_dtype
@@ -459,7 +465,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
             bucket[1].append(g)
             for k, t in enumerate(states):
                 bucket[2 + k].append(t)
-            bucket[-1].append(st)
+            bucket[-2].append(st)
+            bucket[-1].append(params[pi])
         return group, fresh, buckets
 
 
