@@ -11,6 +11,8 @@ parameter stepped alone is bit for bit what a grouped step makes of it.
 
 What the hooks cannot do, and so is refused here or left to ``step()``:
 
+- a parameter that appears twice in a group is refused (the plain step updates it once per
+  appearance, as torch's does; a hook steps once per backward);
 - a parameter that does not require grad gets no hook (torch cannot hook it); a hand-set ``.grad``
   of any parameter is stepped by ``step()``, which steps whatever still has a grad;
 - DTensor params (FSDP2, tensor parallel) are refused: unverified (their grads are reduced by
@@ -180,6 +182,12 @@ class InBackward:
         dt_cls = dtensor.dtensor_type()
         cls = type(opt).__name__
         # Everything checked first: a refused group registers no hook.
+        dup = validate.duplicate_param(group["params"])
+        if dup is not None:
+            at = [names[i] if names else f"param_groups[{gi}]['params'][{i}]" for i in dup]
+            raise ValueError(f"{validate.describe(group['params'][dup[1]], at[1])} is the same tensor as {at[0]}: "
+                             f"the plain step (as torch's) updates such a param once per appearance, its one hook "
+                             f"once per backward; {cls}(step_in_backward=True) takes each param once")
         for pi, p in enumerate(group["params"]):
             name = names[pi] if names else f"param_groups[{gi}]['params'][{pi}]"
             who = validate.describe(p, name)
