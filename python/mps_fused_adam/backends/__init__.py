@@ -7,6 +7,12 @@ length; all tensors are on one device, contiguous and non-empty; params and grad
 dtype, the states share one (possibly different) state dtype; all share one hyperparameter
 object of the rule. A backend never fails on such input, so a step that passed validation
 cannot leave tensors half-updated.
+
+Two more forms of the Adam rule are modes of the same call: ``sr_keys`` (one ``lowbit.sr_key`` per
+param) stores bf16 params by stochastic rounding; rule ``"adam8bit"`` (``lowbit.ADAM8BIT``) updates
+8-bit block-wise moments, its states ``[exp_avg_codes, exp_avg_absmax, exp_avg_sq_codes,
+exp_avg_sq_absmax]`` (codes of the param's shape, one fp32 scale per block), its hyper the plain
+``AdamHyper``. Every backend runs both (the foreach tier through the Python reference).
 """
 from __future__ import annotations
 
@@ -55,7 +61,21 @@ class Backend(Protocol):
     def prepare(self, kernels: Iterable[Kernel]) -> None: ...
 
     def update(self, rule: str, params: TensorList, grads: TensorList, states: Sequence[TensorList],
-               hp: Any) -> None: ...
+               hp: Any, sr_keys: Optional[Sequence[int]] = None) -> None: ...
+
+
+def _reference_lowbit(rule: str, params: TensorList, grads: TensorList, states: Sequence[TensorList], hp: Any,
+                      sr_keys: Optional[Sequence[int]]) -> None:
+    """The low-bit forms of Adam, one tensor at a time through the Python reference (a correct,
+    not fast, path: the tier of devices without a kernel of ours)."""
+    from ..numerics.reference_lowbit import reference_adam8bit_, reference_adam_sr_
+    keys = sr_keys if sr_keys is not None else [None] * len(params)
+    if rule == "adam8bit":
+        for p, g, c1, a1, c2, a2, key in zip(params, grads, *states, keys):
+            reference_adam8bit_(p, g, c1, a1, c2, a2, hp, key)
+    else:
+        for p, g, m, v, key in zip(params, grads, *states, keys):
+            reference_adam_sr_(p, g, m, v, hp, key)
 
 
 def _foreach_adam(params: TensorList, grads: TensorList, states: Sequence[TensorList], hp: AdamHyper) -> None:
@@ -138,7 +158,17 @@ class ForeachBackend:
     name = "foreach"
     RULES: dict[str, Callable[..., None]] = {"adam": _foreach_adam, "lion": _foreach_lion, "adagrad": _foreach_adagrad}
 
-    def update(self, rule: str, params, grads, states, hp) -> None:
+    def unavailable(self, kernel: Kernel) -> Optional[str]:
+        if kernel.rule in self.RULES or kernel.rule == "adam8bit":
+            return None
+        return f"the foreach tier has no form of rule {kernel.rule!r}"
+
+    def prepare(self, kernels: Iterable[Kernel]) -> None:
+        pass
+
+    def update(self, rule: str, params, grads, states, hp, sr_keys=None) -> None:
+        if rule == "adam8bit" or sr_keys is not None:
+            return _reference_lowbit(rule, params, grads, states, hp, sr_keys)
         fn = self.RULES.get(rule)
         if fn is None:
             raise NotImplementedError(f"the foreach tier has no form of rule {rule!r}")
@@ -158,6 +188,7 @@ class CPUBackend:
     def __init__(self) -> None:
         from .. import _cpu  # noqa: F401  (ImportError tells the caller why this tier is out)
         self._cpu = _cpu
+        self._rules = frozenset(_cpu.rules())
         self.simd = _cpu.simd_path()
         wanted = os.environ.get("MPS_FUSED_ADAM_SIMD")
         if wanted and wanted != self.simd:
@@ -177,14 +208,37 @@ class CPUBackend:
                           f"'own'); using the default, torch's OpenMP threads where they can be borrowed "
                           f"(_cpu.thread_pool() says which pool runs)", RuntimeWarning)
 
+    def unavailable(self, kernel: Kernel) -> Optional[str]:
+        if kernel.rule == "adam8bit" or kernel.rule in self._rules:
+            return None
+        return f"the _cpu extension has no kernel of rule {kernel.rule!r}"
+
+    def prepare(self, kernels: Iterable[Kernel]) -> None:
+        pass
+
     def update(self, rule: str, params, grads, states, hp, sr_keys=None) -> None:
         """``sr_keys``: for bf16 params, one ``lowbit.sr_key`` per param to store them by
         stochastic rounding (lowbit.py's contract); None rounds to nearest even."""
+        if rule == "adam8bit":
+            return self._adam8bit(params, grads, states, hp, sr_keys)
         self._cpu.step(
             rule, addresses(params), addresses(grads), [addresses(lst) for lst in states], numels(params),
             _DTYPE_CODES[params[0].dtype], _DTYPE_CODES[states[0][0].dtype],
             packed_scalars(rule, hp), torch.get_num_threads(), sr_keys,
         )
+
+
+    def _adam8bit(self, params, grads, states, hp, sr_keys) -> None:
+        """One ``adam8bit_step_many`` call: the tensors' blocks are shared among the threads as one range."""
+        from ..numerics import lowbit
+        n = len(params)
+        codes1, absmax1, codes2, absmax2 = states
+        self._cpu.adam8bit_step_many(
+            addresses(params), addresses(grads), addresses(codes1), addresses(absmax1), addresses(codes2),
+            addresses(absmax2), numels(params), [_DTYPE_CODES[params[0].dtype]] * n,
+            lowbit.kernel_table(True).data_ptr(), lowbit.kernel_table(False).data_ptr(),
+            [packed_scalars("adam8bit", hp)] * n, [0] * n if sr_keys is None else list(sr_keys),
+            [int(sr_keys is not None)] * n, torch.get_num_threads())
 
 
 _PACKED: dict[tuple, tuple[Any, bytes]] = {}
@@ -196,8 +250,9 @@ def packed_scalars(rule: str, hp: Any) -> bytes:
     packs the same hyperparameters once per param, and packing costs about 5 us. The key holds the
     sign of every zero field besides ``hp`` (whose equality takes -0.0 for 0.0, which the kernels
     may not); an entry counts only for the very rule object that packed it, so a rule replaced in
-    ``contract.RULES`` (as the self-check's tests do) is packed afresh."""
-    spec = rule_spec(rule)
+    ``contract.RULES`` (as the self-check's tests do) is packed afresh. Rule ``"adam8bit"``: the
+    8-bit kernels' scalars of ``AdamHyper`` ``hp`` (``lowbit.pack_adam8bit``)."""
+    spec = _ADAM8BIT_PACKER if rule == "adam8bit" else rule_spec(rule)
     try:
         key = (rule, hp, tuple(math.copysign(1.0, v) for v in vars(hp).values() if v == 0))
         packer, packed = _PACKED[key]
@@ -214,6 +269,16 @@ def packed_scalars(rule: str, hp: Any) -> bytes:
     return packed
 
 
+class _Adam8bitPacker:
+    @staticmethod
+    def pack(hp: Any) -> bytes:
+        from ..numerics.lowbit import pack_adam8bit
+        return pack_adam8bit(hp)
+
+
+_ADAM8BIT_PACKER = _Adam8bitPacker()
+
+
 class TorchFusedBackend:
     """Devices we ship no kernel for (CUDA, XPU): torch's fused Adam where it keeps the contract.
 
@@ -227,9 +292,15 @@ class TorchFusedBackend:
     def __init__(self) -> None:
         self._fallback = ForeachBackend()
 
-    def update(self, rule: str, params, grads, states, hp) -> None:
-        if rule != "adam" or states[0][0].dtype != params[0].dtype:
-            return self._fallback.update(rule, params, grads, states, hp)
+    def unavailable(self, kernel: Kernel) -> Optional[str]:
+        return self._fallback.unavailable(kernel)
+
+    def prepare(self, kernels: Iterable[Kernel]) -> None:
+        pass
+
+    def update(self, rule: str, params, grads, states, hp, sr_keys=None) -> None:
+        if rule != "adam" or sr_keys is not None or states[0][0].dtype != params[0].dtype:
+            return self._fallback.update(rule, params, grads, states, hp, sr_keys)
         exp_avgs, exp_avg_sqs = states
         fused = torch._fused_adamw_ if hp.adam_w_mode else torch._fused_adam_
         steps = [torch.tensor(float(hp.step), device=params[0].device)] * len(params)
@@ -243,16 +314,17 @@ class TorchFusedBackend:
 
 
 def update_staged(backend: Backend, rule: str, params: TensorList, grads: TensorList,
-                  states: Sequence[TensorList], hp: Any) -> None:
+                  states: Sequence[TensorList], hp: Any, sr_keys: Optional[Sequence[int]] = None) -> None:
     """``backend.update`` for tensors that need not be contiguous: non-contiguous ones go through
     contiguous copies that are written back, so their update is never lost (DeepSpeed's CPU Adam
     silently loses it)."""
+    extra = {} if sr_keys is None else {"sr_keys": sr_keys}
     lists = (params, grads, *states)
     if all(t.is_contiguous() for tensors in lists for t in tensors):
-        backend.update(rule, params, grads, states, hp)
+        backend.update(rule, params, grads, states, hp, **extra)
         return
     staged = [[t.contiguous() for t in tensors] for tensors in lists]
-    backend.update(rule, staged[0], staged[1], staged[2:], hp)
+    backend.update(rule, staged[0], staged[1], staged[2:], hp, **extra)
     written = [(params, staged[0])] + list(zip(states, staged[2:]))
     for originals, copies in written:
         for orig, copy in zip(originals, copies):
@@ -301,6 +373,32 @@ def get_backend(device: torch.device | str) -> Backend:
             if backend is None:
                 backend = _chosen[device_type] = _try(device_type, _tiers(device_type))
     return backend
+
+
+_FOREACH = ForeachBackend()
+
+
+def backend_for(device: torch.device | str, kernel: Kernel) -> Backend:
+    """The backend that runs ``kernel`` for tensors on ``device``: the device's (``get_backend``)
+    where it runs the kernel (``unavailable``), else the foreach tier, which runs every rule."""
+    backend = get_backend(device)
+    unavailable = getattr(backend, "unavailable", None)
+    if unavailable is None or unavailable(kernel) is None:
+        return backend
+    return _FOREACH
+
+
+def prepare(kernels_by_device: dict[torch.device, set]) -> None:
+    """``prepare`` each device's backend with the kernels a step is about to run (all or nothing)."""
+    for device, kernels in kernels_by_device.items():
+        by_backend: dict[int, tuple[Any, list]] = {}
+        for kernel in kernels:
+            backend = backend_for(device, kernel)
+            by_backend.setdefault(id(backend), (backend, []))[1].append(kernel)
+        for backend, ks in by_backend.values():
+            prep = getattr(backend, "prepare", None)
+            if prep is not None:
+                prep(ks)
 
 
 def backend_info() -> dict[str, dict[str, object]]:

@@ -28,7 +28,7 @@ import torch
 
 from .addressing import addresses, numels
 from ..numerics.contract import RULES, AdamHyper, rule as rule_spec
-from ..numerics.lowbit import ADAM8BIT, ADAM_SR
+from ..numerics.lowbit import ADAM8BIT, ADAM_SR, Adam8bitTensorHyper, AdamSRHyper, kernel_table
 
 ELEMS_PER_THREAD = 4
 # 2^30 threads cover 2^32 elements: thread_position_in_grid is a 32-bit uint, and keeping each
@@ -97,6 +97,22 @@ def fast_math_note(backend_name: str, environ: Mapping[str, str] = os.environ) -
             "(metal::precise::), but NaN/Inf handling and fp32 subnormals may differ from the "
             "contract; on macOS 14 (Metal 3.1) whether contraction stays off is not established "
             "(untested on Apple hardware). Unset it for the contract's results.")
+
+
+def kernel_calls(rule: str, params, grads, states, hp, sr_keys=None):
+    """The Metal kernel calls ``(rule, params, grads, states, hyper)`` of one backend call: itself,
+    or for 8-bit states and stochastic rounding one call per tensor (the key is per tensor), in the
+    kernels' buffer order (codes, codes, scales, scales, then the two maps: ``lowbit.ADAM8BIT``)."""
+    if rule == ADAM8BIT.name:
+        for i, (p, g, c1, a1, c2, a2) in enumerate(zip(params, grads, *states)):
+            maps = [[kernel_table(True, p.device)], [kernel_table(False, p.device)]]
+            yield (rule, [p], [g], [[c1], [c2], [a1], [a2], *maps],
+                   Adam8bitTensorHyper(hp, None if sr_keys is None else sr_keys[i]))
+    elif sr_keys is not None:
+        for p, g, m, v, key in zip(params, grads, *states, sr_keys):
+            yield ADAM_SR.name, [p], [g], [[m], [v]], AdamSRHyper(hp, key)
+    else:
+        yield rule, params, grads, states, hp
 
 
 def kernel_name(rule: str, param_dtype: torch.dtype, state_dtype: torch.dtype) -> str:
@@ -196,7 +212,11 @@ class MetalExtBackend:
         self._ext = ext
         self._buffer_of = buffer_of
 
-    def update(self, rule: str, params, grads, states, hp) -> None:
+    def update(self, rule: str, params, grads, states, hp, sr_keys=None) -> None:
+        for call in kernel_calls(rule, params, grads, states, hp, sr_keys):
+            self._encode(*call)
+
+    def _encode(self, rule: str, params, grads, states, hp) -> None:
         b = self._buffer_of
         if b is mps_buffer:  # the same triples, fewer reads per tensor
             n = numels(params)  # grads and states have their param's shape (validated)
@@ -229,7 +249,11 @@ class ShaderLibraryBackend:
             fn = self._fns[key] = getattr(self._lib, KERNELS[key])
         return fn, min(THREADGROUP_SIZE, int(getattr(fn, "max_threads_per_threadgroup", THREADGROUP_SIZE)))
 
-    def update(self, rule: str, params, grads, states, hp) -> None:
+    def update(self, rule: str, params, grads, states, hp, sr_keys=None) -> None:
+        for call in kernel_calls(rule, params, grads, states, hp, sr_keys):
+            self._dispatch(*call)
+
+    def _dispatch(self, rule: str, params, grads, states, hp) -> None:
         fn, group = self._kernel((rule, params[0].dtype, states[0][0].dtype))
         words = params_as_words(pack_params(hp, rule))
         for tensors in zip(params, grads, *states):

@@ -269,18 +269,14 @@ def check_lowbit(adam8bit: Callable[..., None], adam_sr: Callable[..., None], de
         yield CheckResult(label, device, dtypes, worst, exact, device == "cpu", of_update)
 
 
-def _cpu_lowbit(cpu: Any) -> tuple[Callable[..., None], Callable[..., None]]:
-    from ..optimizers.eight_bit import _cpu_adam8bit
-    return (_cpu_adam8bit,
-            lambda p, g, m, v, hp, key: cpu.update("adam", [p], [g], [[m], [v]], hp, sr_keys=[key]))
-
-
-def _metal_lowbit(backend: Any) -> tuple[Callable[..., None], Callable[..., None]]:
-    from ..numerics import lowbit
-    from ..optimizers.eight_bit import _metal_adam8bit
-    return (lambda p, g, st, hp, key: _metal_adam8bit(backend, p, g, st, hp, key),
-            lambda p, g, m, v, hp, key: backend.update(lowbit.ADAM_SR.name, [p], [g], [[m], [v]],
-                                                       lowbit.AdamSRHyper(hp, key)))
+def _lowbit(backend: Any) -> tuple[Callable[..., None], Callable[..., None]]:
+    """A backend's 8-bit rule and its stochastic-rounding mode of Adam, one tensor a call."""
+    from ..optimizers.state_formats import Blockwise8bit
+    def adam8bit(p, g, st, hp, key):
+        backend.update("adam8bit", [p], [g], [[st[k]] for k in Blockwise8bit.names], hp,
+                       sr_keys=None if key is None else [key])
+    return (adam8bit,
+            lambda p, g, m, v, hp, key: backend.update("adam", [p], [g], [[m], [v]], hp, sr_keys=[key]))
 
 
 def all_checks() -> Iterator[CheckResult]:
@@ -292,7 +288,7 @@ def all_checks() -> Iterator[CheckResult]:
             for path in _cpu.simd_paths():
                 _cpu.set_simd_path(path)
                 yield from check_backend(cpu, "cpu", f"_cpu ({path})")
-                yield from check_lowbit(*_cpu_lowbit(cpu), "cpu", f"_cpu ({path})")
+                yield from check_lowbit(*_lowbit(cpu), "cpu", f"_cpu ({path})")
                 yield check_many(cpu, "cpu", f"_cpu ({path})")
                 yield check_agreement(cpu, "cpu", f"_cpu ({path})")
         finally:
@@ -308,7 +304,7 @@ def all_checks() -> Iterator[CheckResult]:
             except Exception:  # reported by backend_info; nothing to check
                 continue
             yield from check_backend(backend, "mps", label)
-            yield from check_lowbit(*_metal_lowbit(backend), "mps", label)
+            yield from check_lowbit(*_lowbit(backend), "mps", label)
             yield check_many(backend, "mps", label)
             yield check_agreement(backend, "mps", label)
         yield from check_backend(ForeachBackend(), "mps", "foreach")
