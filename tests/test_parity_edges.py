@@ -2,6 +2,8 @@
 stands in for (torch.optim, DeepSpeed): each checked beside that optimizer on the same input."""
 from __future__ import annotations
 
+import contextlib
+import re
 import warnings
 
 import pytest
@@ -52,15 +54,20 @@ def test_adam_loading_an_adamw_state_dict_takes_its_decoupled_decay(saved_by):
 # --- 4. A param twice in a group -----------------------------------------------------------------
 
 @pytest.mark.parametrize("n", [5, 3_000_000])
-@pytest.mark.parametrize("ours_cls,torch_cls", [(mfa.AdamW, torch.optim.AdamW), (mfa.Adagrad, torch.optim.Adagrad)])
+@pytest.mark.parametrize("ours_cls,torch_cls", [(mfa.AdamW, torch.optim.AdamW), (mfa.Adagrad, torch.optim.Adagrad),
+                                                (mfa.AdamW8bit, None)])
 def test_a_duplicated_param_is_updated_once_per_appearance_as_torch_does(n, ours_cls, torch_cls):
     """torch warns and updates the param once per appearance, one after the other; the 3M case
     raced (three identical runs, three results) when one kernel call held the tensor twice."""
     results = []
+    if torch_cls is None:  # 8-bit states: the same param listed once and stepped twice per step is the reference
+        torch_cls = _TwiceAdamW8bit
     for cls in (torch_cls, ours_cls, ours_cls):
         torch.manual_seed(0)
         a, b = torch.nn.Parameter(torch.randn(n)), torch.nn.Parameter(torch.randn(n))
-        with pytest.warns(UserWarning, match="duplicate parameters"):
+        warns = contextlib.nullcontext() if cls is _TwiceAdamW8bit else \
+            pytest.warns(UserWarning, match="duplicate parameters")  # torch's, from its add_param_group
+        with warns:
             opt = cls([a, b, a], lr=1e-2, weight_decay=0.1)
         for _ in range(3):
             a.grad = torch.linspace(-1, 1, n)
@@ -70,8 +77,25 @@ def test_a_duplicated_param_is_updated_once_per_appearance_as_torch_does(n, ours
     (ta, tb, tsteps), (oa, ob, osteps), (oa2, ob2, _) = results
     assert tsteps == osteps == 6
     assert torch.equal(oa, oa2) and torch.equal(ob, ob2)
-    torch.testing.assert_close(oa, ta, atol=2e-6, rtol=0)
-    torch.testing.assert_close(ob, tb, atol=2e-6, rtol=0)
+    exact = ours_cls is mfa.AdamW8bit  # its reference runs the same kernels
+    torch.testing.assert_close(oa, ta, atol=0 if exact else 2e-6, rtol=0)
+    torch.testing.assert_close(ob, tb, atol=0 if exact else 2e-6, rtol=0)
+
+
+class _TwiceAdamW8bit(mfa.AdamW8bit):
+    """AdamW8bit over the group without its duplicate, stepped once more for the param listed twice:
+    what torch's one-after-the-other updates make of ``[a, b, a]``."""
+
+    def __init__(self, params, **kw):
+        a, b, _ = params
+        super().__init__([a, b], **kw)
+        self._a, self._b = a, b
+
+    def step(self):
+        super().step()
+        b_grad, self._b.grad = self._b.grad, None
+        super().step()
+        self._b.grad = b_grad
 
 
 def test_a_duplicated_param_is_refused_with_step_in_backward():
@@ -201,7 +225,7 @@ def test_a_loaded_non_number_hyperparameter_fails_naming_the_group(cls, key, val
 
 
 # A state exists before the first step only for Adagrad (made at construction).
-FREED = [(cls, freed, warm) for cls in (mfa.AdamW, mfa.Lion, mfa.Adagrad, mfa.CPUAdam)
+FREED = [(cls, freed, warm) for cls in (mfa.AdamW, mfa.Lion, mfa.Adagrad, mfa.CPUAdam, mfa.AdamW8bit)
          for freed in ("param", "grad", "state") for warm in (0, 2)
          if not (freed == "state" and warm == 0 and cls is not mfa.Adagrad)]
 
@@ -232,3 +256,114 @@ def test_a_freed_storage_names_the_param_and_nothing_is_written(cls, freed, warm
     assert torch.equal(ok, before[0])  # the other group's param: not written either
     assert {k: v for k, v in opt.state[ok].items() if not isinstance(v, torch.Tensor)} == \
         {k: v for k, v in before[1].items() if not isinstance(v, torch.Tensor)}
+
+
+# --- The 8-bit classes: modes, checkpoints of torch and bitsandbytes, min_8bit_size, steps --------
+
+def test_adam8bit_takes_a_loaded_adamw_state_dicts_decoupled_decay_as_torch_adam_does():
+    sd = fresh_state_dict(torch.optim.AdamW)
+    theirs, _ = one_step(torch.optim.Adam, sd)
+    ours, opt = one_step(mfa.Adam8bit, sd)
+    l2, _ = one_step(torch.optim.Adam)
+    assert opt.param_groups[0]["adam_w_mode"] is True
+    assert ours == pytest.approx(theirs, abs=1e-6) and abs(theirs - l2) > 0.01
+
+
+def test_adamw8bit_loading_an_adam_state_dict_keeps_decoupled_decay_as_torch_adamw_does():
+    sd = fresh_state_dict(torch.optim.Adam)
+    theirs, _ = one_step(torch.optim.AdamW, sd)
+    ours, opt = one_step(mfa.AdamW8bit, sd)
+    assert opt.param_groups[0]["adam_w_mode"] is True
+    assert ours == pytest.approx(theirs, abs=1e-6)
+
+
+def test_a_torch_adamw_checkpoint_is_quantized_on_load():
+    """The fp32 moments of a param of at least min_8bit_size elements become 8-bit codes (2.03
+    bytes of state per element, not 8), as the next step would store them; training goes on
+    close to torch's AdamW resumed from the same checkpoint."""
+    from mps_fused_adam.numerics.reference_lowbit import dequantize
+    from mps_fused_adam.optimizers.eight_bit import state_bytes_per_param
+    torch.manual_seed(0)
+    n = 4096 * 4
+    p = torch.nn.Parameter(torch.randn(n))
+    small = torch.nn.Parameter(torch.randn(100))
+    theirs = torch.optim.AdamW([p, small], lr=1e-3)
+    for _ in range(100):
+        p.grad, small.grad = torch.randn(n), torch.randn(100)
+        theirs.step()
+    sd = theirs.state_dict()
+    q, q_small = torch.nn.Parameter(p.detach().clone()), torch.nn.Parameter(small.detach().clone())
+    ours = mfa.AdamW8bit([q, q_small], lr=1e-3)
+    ours.load_state_dict(sd)
+    st = ours.state[q]
+    assert "exp_avg" not in st and st["exp_avg_codes"].dtype is torch.uint8 and st["step"] == 100
+    assert ours.state[q_small]["exp_avg"].dtype is torch.float32  # below min_8bit_size: fp32, as ever
+    assert state_bytes_per_param(ours) < 2.2
+    m, v = sd["state"][0]["exp_avg"], sd["state"][0]["exp_avg_sq"]
+    scale_m = m.abs().view(-1, 256).amax(1).repeat_interleave(256)
+    assert ((dequantize(st["exp_avg_codes"], st["exp_avg_absmax"], True) - m).abs() <= 0.02 * scale_m).all()
+    assert (dequantize(st["exp_avg_sq_codes"], st["exp_avg_sq_absmax"], False) > 0).all()  # v > 0 stays > 0
+    start = p.detach().clone()
+    for _ in range(5):
+        g = torch.randn(n)
+        p.grad, q.grad = g, g.clone()
+        small.grad = q_small.grad = torch.ones(100)
+        theirs.step()
+        ours.step()
+    moved = (p - start).abs().max()
+    assert (q - p).abs().max() < 0.05 * moved
+
+
+def test_min_8bit_size_is_checked_the_same_in_the_constructor_and_add_param_group():
+    """bitsandbytes 0.50 takes the value as a threshold at its first step ('4096' raises a
+    TypeError there, 1.5 and True pass as numbers); ours refuses each the same way in both places."""
+    for value in ("4096", 1.5, True, 0):
+        with pytest.raises(ValueError, match=rf"^AdamW8bit: min_8bit_size must be a positive element count "
+                                             rf"\(an int\), got {re.escape(repr(value))}$"):
+            mfa.AdamW8bit([torch.nn.Parameter(torch.ones(2))], min_8bit_size=value)
+        opt = mfa.AdamW8bit([torch.nn.Parameter(torch.ones(2))])
+        with pytest.raises(ValueError, match=rf"^param_groups\[1\]: min_8bit_size must be a positive element count "
+                                             rf"\(an int\), got {re.escape(repr(value))}$"):
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))], "min_8bit_size": value})
+        assert len(opt.param_groups) == 1
+
+
+def _bnb_trained_state_dict(bnb):
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(4096)), torch.nn.Parameter(torch.randn(64))]
+    opt = bnb.optim.AdamW8bit(ps, lr=1e-3)
+    for _ in range(3):
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    return ps, opt.state_dict()
+
+
+def test_a_bitsandbytes_state_dict_loaded_directly_names_the_conversion():
+    from conftest import require_bitsandbytes
+    from mps_fused_adam.bnb_compat import from_bitsandbytes
+    bnb = require_bitsandbytes()
+    ps, sd = _bnb_trained_state_dict(bnb)
+    ours = mfa.AdamW8bit([torch.nn.Parameter(p.detach().clone()) for p in ps], lr=1e-3)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] \(shape \(4096,\), float32, cpu\): the "
+                                         r"state dict is in bitsandbytes' layout .*mps_fused_adam\.bnb_compat\."
+                                         r"from_bitsandbytes\(state_dict\)"):
+        ours.load_state_dict(sd)
+    assert not ours.state
+    ours.load_state_dict(from_bitsandbytes(sd))
+    assert ours.state[ours.param_groups[0]["params"][0]]["step"] == 3
+
+
+@pytest.mark.parametrize("cls", [mfa.AdamW8bit, mfa.Adam8bit])
+def test_8bit_state_dict_steps_are_torchs_tensors_and_int_steps_still_load(cls):
+    sd = trained_state_dict(cls, min_8bit_size=256)
+    theirs = trained_state_dict(torch.optim.AdamW)
+    step, torch_step = sd["state"][0]["step"], theirs["state"][0]["step"]
+    assert isinstance(step, torch.Tensor) and step.dim() == 0 and step.dtype == torch_step.dtype and float(step) == 3
+    p = torch.nn.Parameter(torch.randn(300))
+    opt = cls([p], lr=1e-2, min_8bit_size=256)
+    opt.load_state_dict(sd)
+    assert opt.state[p]["step"] == 3 and type(opt.state[p]["step"]) is int  # the live count stays an int
+    sd["state"][0]["step"] = 3  # a checkpoint of an earlier version (int steps)
+    opt.load_state_dict(sd)
+    assert opt.state[p]["step"] == 3

@@ -571,9 +571,14 @@ class _AdamBase(_FusedOptimizer):
     # torch.optim.Adam/AdamW: decoupled_weight_decay; DeepSpeed's FusedAdam/DeepSpeedCPUAdam: adam_w_mode.
     _mode_key = "adam_w_mode"
     _MODE_KEYS = ("adam_w_mode", "decoupled_weight_decay")
+    # AdamW's classes: torch's AdamW.__setstate__ (which its load_state_dict runs) sets decoupled
+    # decay on every group, so a state dict saved by Adam (L2 decay) loads as decoupled decay.
+    _always_decoupled = False
 
     def _adopt_group_keys(self, group: dict[str, Any]) -> None:
-        if self._mode_key not in group:
+        if self._always_decoupled:
+            group[self._mode_key] = True
+        elif self._mode_key not in group:
             for other in self._MODE_KEYS:
                 if other in group:
                     group[self._mode_key] = bool(group[other])
@@ -667,11 +672,7 @@ class AdamW(Adam):
     """Drop-in for ``torch.optim.AdamW`` (decoupled weight decay, default 1e-2)."""
 
     _name = "AdamW"
-
-    def _adopt_group_keys(self, group: dict[str, Any]) -> None:
-        # torch's AdamW.__setstate__ (which its load_state_dict runs) sets this on every group: a
-        # state dict saved by Adam (L2 decay) loads into AdamW as decoupled decay.
-        group[self._mode_key] = True
+    _always_decoupled = True
 
     def __init__(self, params: _Params, lr: float | torch.Tensor = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
