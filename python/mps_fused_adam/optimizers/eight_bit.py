@@ -12,9 +12,10 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from . import state_formats
-from .fused import _AdamBase, _optimizer_method
-from ..numerics import lowbit
+from . import state_formats, validate
+from .fused import _AdamBase
+from ..bnb_compat import BNB_WRAP_KEY
+from ..numerics import lowbit, reference_lowbit
 from ..numerics.lowbit import MIN_8BIT_SIZE
 
 _Params = Iterable[Any]
@@ -22,6 +23,13 @@ _Params = Iterable[Any]
 
 class _Eight(state_formats.EightBit):
     refuses_dtensor = True  # blocks of a shard are not the blocks of the tensor
+
+    def check_saved(self, p: torch.Tensor, st: Any, name: str) -> None:
+        if BNB_WRAP_KEY in st or "state1" in st:
+            raise ValueError(f"{validate.describe(p, name)}: the state dict is in bitsandbytes' layout (keys "
+                             f"{sorted(map(str, st))}); convert it first: "
+                             f"opt.load_state_dict(mps_fused_adam.bnb_compat.from_bitsandbytes(state_dict))")
+        super().check_saved(p, st, name)
 
 
 class _Adam8bitBase(_AdamBase):
@@ -39,18 +47,38 @@ class _Adam8bitBase(_AdamBase):
         if not isinstance(size, numbers.Integral) or isinstance(size, bool) or size < 1:
             raise ValueError(f"{where}: min_8bit_size must be a positive element count (an int), got {size!r}")
 
-    def state_dict(self) -> dict[str, Any]:
-        """torch's state dict (``step`` as the live Python int)."""
-        return _optimizer_method("state_dict")(self)
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict of ours (``bnb_compat.from_bitsandbytes`` converts bitsandbytes').
+        """Load a state dict of ours, with tensor or int steps (``bnb_compat.from_bitsandbytes``
+        converts bitsandbytes'; one in bitsandbytes' layout is refused saying so).
 
         torch casts floating state tensors to the parameter's dtype; the block scales and fp32
         moments are re-taken from the saved tensors as fp32, ``step`` and ``sr_seed`` as ints.
-        torch's load pre- and post-hooks run as torch runs them.
+        fp32 moments of a param of at least its group's ``min_8bit_size`` elements (a
+        ``torch.optim.AdamW``/``Adam`` checkpoint) are quantized to 8-bit codes, as the next step
+        would store them, so the optimizer keeps its 2 bytes of state per element. torch's load
+        pre- and post-hooks run as torch runs them.
         """
         super().load_state_dict(state_dict)
+
+    def _retake_states(self, state_dict: dict[str, Any]) -> None:
+        super()._retake_states(state_dict)
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state.get(p)
+                if st and "exp_avg" in st and p.numel() >= int(group["min_8bit_size"]):
+                    st.update(_quantized_moments(st.pop("exp_avg"), st.pop("exp_avg_sq"), p.device))
+
+
+def _quantized_moments(m: torch.Tensor, v: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
+    """fp32 Adam moments as the 8-bit format's codes and block scales (the contract's quantization,
+    ``reference_lowbit.quantize``: what a step stores), computed on the CPU."""
+    out = {}
+    for name, t, signed in (("exp_avg", m, True), ("exp_avg_sq", v, False)):
+        t = t.detach().to("cpu", torch.float32).contiguous()
+        scale = reference_lowbit.block_absmax(t)
+        out[f"{name}_codes"] = reference_lowbit.quantize(t, scale, signed).to(device)
+        out[f"{name}_absmax"] = scale.contiguous().to(device)
+    return out
 
 
 def _check_bnb_options(cls: str, optim_bits: int, args: Any, is_paged: bool, percentile_clipping: int,
@@ -103,8 +131,9 @@ class Adam8bit(_Adam8bitBase):
         _check_torch_options(self._name, amsgrad, capturable, differentiable)
         _check_bnb_options(self._name, optim_bits, args, is_paged, percentile_clipping, block_wise)
         decoupled = self._decoupled_default if decoupled_weight_decay is None else bool(decoupled_weight_decay)
+        # min_8bit_size as given: the constructor's check is add_param_group's (no int() that takes '4096').
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam_w_mode=decoupled,
-                                      bias_correction=True, maximize=maximize, min_8bit_size=int(min_8bit_size),
+                                      bias_correction=True, maximize=maximize, min_8bit_size=min_8bit_size,
                                       bf16_stochastic_round=bool(bf16_stochastic_round)), step_in_backward)
 
 
@@ -115,6 +144,7 @@ class AdamW8bit(Adam8bit):
 
     _name = "AdamW8bit"
     _decoupled_default = True
+    _always_decoupled = True  # as AdamW (fused._AdamBase)
 
     def __init__(self, params: _Params, lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, optim_bits: int = 32,

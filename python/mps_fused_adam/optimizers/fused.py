@@ -21,7 +21,8 @@ from . import dtensor, in_backward, sr_seeds, state_formats, step_counts, step_p
 from .state_formats import SEED_KEY
 from .step_entry import fast_step_entry
 from .. import backends
-from ..backends import SUPPORTED_DTYPES, Kernel, backend_for, update_staged
+from ..backends import SUPPORTED_DTYPES, Addressed, Kernel, backend_for, update_staged
+from ..backends.versions import bump
 from ..numerics.contract import AdagradHyper, AdamHyper, LionHyper
 from ..numerics.lowbit import sr_key
 
@@ -264,8 +265,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
             if fast is not None:
                 work.append((gi, group, plan, fast))
             else:
-                planned = self._plan_group(gi, group)
-                _kernels_of(self, planned, kernels)
+                planned = self._plan_full(gi, group)
+                _kernels_of(self, planned[0], kernels)
                 work.append((gi, group, plan, planned))
         if kernels:  # a plan's kernels were prepared by the full step it was made after
             backends.prepare(kernels)
@@ -273,8 +274,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
         for gi, group, plan, planned in work:
             if isinstance(planned, list):
                 self._step_planned(group, plan, planned)
+                continue
+            first, later = planned
+            self._step_full(group, *first[1:])
+            for sub in later:  # a param's further appearances in the group, one round each (same kernels)
+                self._step_full(group, *self._plan_group(gi, sub, [self.state.get(p) or None for p in sub["params"]])[1:])
+            if later:
+                plans.pop(gi, None)  # a plan's one kernel call per bucket would update such a param from two threads
             else:
-                self._step_full(group, *planned[1:])
                 replan.append((gi, group, plan))
         if replan:
             self._replan(plans, replan)
@@ -303,9 +310,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 if planned is not None:
                     self._step_planned(group, plan, planned)
                     return
-        one = dict(group)
-        one["params"] = [p]
-        one["param_names"] = [self._param_name(group, gi, pi)]
+        one = self._subgroup(group, gi, [pi])
         full = self._plan_group(gi, one, [self.state.get(p) or None])
         kernels: dict[torch.device, set] = {}
         _kernels_of(self, full, kernels)
@@ -317,6 +322,26 @@ class _FusedOptimizer(torch.optim.Optimizer):
             plans[id(p)] = (plan, self.state, self.state.get(p), self._fixed_state_dtype)
         else:
             plans.pop(id(p), None)
+
+    def _subgroup(self, group: dict[str, Any], gi: int, indices: list[int]) -> dict[str, Any]:
+        """``group`` with only the params at ``indices``, each keeping the name errors give it."""
+        sub = dict(group)
+        sub["params"] = [group["params"][i] for i in indices]
+        sub["param_names"] = [self._param_name(group, gi, i) for i in indices]
+        return sub
+
+    def _plan_full(self, gi: int, group: dict[str, Any]) -> tuple[tuple, list]:
+        """``_plan_group`` of a group, and the sub-groups to step after it when the group holds a
+        param more than once. torch's optimizers warn about such a group (in ``add_param_group``)
+        and update the param once per appearance, one update after the other; here the group's
+        first appearances are stepped first, then each further round of appearances (a step
+        count each), so no kernel call holds a tensor twice (which would race)."""
+        rounds = validate.appearance_rounds(group["params"])
+        if rounds is None:
+            return self._plan_group(gi, group), []
+        subs = [self._subgroup(group, gi, indices) for indices in rounds]
+        first = subs[0]
+        return self._plan_group(gi, first, [self.state.get(p) or None for p in first["params"]]), subs[1:]
 
     def _step_planned(self, group: dict[str, Any], plan: step_plan.Plan, planned: list) -> None:
         plan.uses += 1
@@ -333,8 +358,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 rule = bucket.fmt.sr_rule
                 backend_for(bucket.device, bucket.kernel._replace(rule=rule)).update(
                     rule, bucket.params, grads, bucket.states, hp, sr_keys=[sr_key(seed, step) for seed in seeds])
+            bump(bucket.params)
 
     def _step_full(self, group: dict[str, Any], fresh: list, buckets: dict) -> None:
+        # A bucket (_plan_group): params (a DTensor's local shard), grads, one list per state, the
+        # state dicts, and the params as the group holds them (whose version counters autograd reads).
         for p, pi, slots, fmt in fresh:
             st = slots[pi] = self.state[p]
             st["step"] = 0
@@ -342,18 +370,21 @@ class _FusedOptimizer(torch.optim.Optimizer):
             key = (p.device, p.dtype, fmt, fmt.state_dtype(self, p), 0)
             bucket = buckets.get(key)
             if bucket is None:
-                bucket = buckets[key] = tuple([] for _ in range(len(fmt.names) + 3))
+                bucket = buckets[key] = tuple([] for _ in range(len(fmt.names) + 4))
             # A DTensor param's new states are DTensors like it (zeros_like): its shards are stepped.
-            bucket[0].append(dtensor.local(p))
             g = p.grad
-            bucket[1].append(dtensor.local(_materialised(g) if g._is_zerotensor() else g))
-            for k, name in enumerate(fmt.names):
-                bucket[2 + k].append(dtensor.local(st[name]))
-            bucket[-1].append(st)
+            tensors = (p, _materialised(g) if g._is_zerotensor() else g, *(st[name] for name in fmt.names))
+            for lst, t in zip(bucket, tensors):
+                t = dtensor.local(t)
+                lst.append(t)
+                if type(lst) is Addressed:  # a bucket of loaded states at step 0 (_gather_addresses)
+                    lst.addresses.append(t.data_ptr())
+            bucket[-2].append(st)
+            bucket[-1].append(p)
         sr = bool(group.get("bf16_stochastic_round"))
         for (device, pdtype, fmt, sd, last_step), bucket in buckets.items():
             step = int(last_step) + 1
-            for st in bucket[-1]:
+            for st in bucket[-2]:
                 st["step"] = step
             keys, rule = None, fmt.rule
             if sr and pdtype is torch.bfloat16:
@@ -362,12 +393,13 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 # seed (sr_seeds.py: independent of the order params are stepped in), drawn on its
                 # first such step, and this step's key of it.
                 keys = []
-                for p, st in zip(bucket[0], bucket[-1]):
+                for p, st in zip(bucket[0], bucket[-2]):
                     if SEED_KEY not in st:
                         st[SEED_KEY] = sr_seeds.param_seed(self, p)
                     keys.append(sr_key(int(st[SEED_KEY]), step))
             update_staged(backend_for(device, Kernel(rule, pdtype, sd)), rule, bucket[0], bucket[1],
-                          list(bucket[2:-1]), self._hyper(group, step), keys)
+                          list(bucket[2:-2]), self._hyper(group, step), keys)
+            bump(bucket[-1])
 
     def _step_plans(self) -> dict[int, Any]:
         """The groups' cached plans, or none when the optimizer's state dict has changed since they
@@ -495,13 +527,43 @@ class _FusedOptimizer(torch.optim.Optimizer):
             key = (cpu if on_cpu else p.device, dt, fmt, states[0].dtype, st.get("step", 0))
             bucket = buckets.get(key)
             if bucket is None:
-                bucket = buckets[key] = tuple([] for _ in range(len(states) + 3))
+                bucket = buckets[key] = tuple([] for _ in range(len(states) + 4))  # see _step_full
             bucket[0].append(p)
             bucket[1].append(g)
             for k, t in enumerate(states):
                 bucket[2 + k].append(t)
-            bucket[-1].append(st)
+            bucket[-2].append(st)
+            bucket[-1].append(params[pi])
+        _gather_addresses(buckets, fresh, lambda p: self._param_name(group, gi, _index(params, p)))
         return group, fresh, buckets
+
+
+def _index(params: list, p: torch.Tensor) -> int:
+    return next(i for i, q in enumerate(params) if q is p)
+
+
+def _gather_addresses(buckets: dict, fresh: list, name_of: Callable[[torch.Tensor], str]) -> None:
+    """Before anything of the step is written: every tensor's address, which a backend reads anyway
+    (each bucket's tensor lists become ``Addressed``), so that a tensor whose storage was freed
+    (``untyped_storage().resize_(0)``: elements, no memory) is refused naming its param here, not
+    by the kernel after other tensors and the step counts were written."""
+    for key, bucket in buckets.items():
+        what = ("the param", "its grad", *(f"its state {n!r}" for n in key[2].names))  # key[2]: the format
+        lists = list(bucket)
+        for k in range(len(lists) - 2):  # the tensor lists; then the state dicts and the params
+            lst = lists[k] = Addressed(lists[k])
+            lst.addresses = [t.data_ptr() for t in lst]
+            lst.numels = None
+            if 0 in lst.addresses:
+                for i, (t, a) in enumerate(zip(lst, lst.addresses)):
+                    if a == 0:
+                        validate.check_memory(bucket[-1][i], name_of(bucket[-1][i]), t, what[k])
+        buckets[key] = tuple(lists)
+    for p, *_ in fresh:
+        for what, t in (("the param", p), ("its grad", p.grad)):
+            t = dtensor.local(t)
+            if not t.data_ptr():
+                validate.check_memory(p, name_of(p), t, what)
 
 
 class _AdamBase(_FusedOptimizer):
@@ -511,9 +573,14 @@ class _AdamBase(_FusedOptimizer):
     # torch.optim.Adam/AdamW: decoupled_weight_decay; DeepSpeed's FusedAdam/DeepSpeedCPUAdam: adam_w_mode.
     _mode_key = "adam_w_mode"
     _MODE_KEYS = ("adam_w_mode", "decoupled_weight_decay")
+    # AdamW's classes: torch's AdamW.__setstate__ (which its load_state_dict runs) sets decoupled
+    # decay on every group, so a state dict saved by Adam (L2 decay) loads as decoupled decay.
+    _always_decoupled = False
 
     def _adopt_group_keys(self, group: dict[str, Any]) -> None:
-        if self._mode_key not in group:
+        if self._always_decoupled:
+            group[self._mode_key] = True
+        elif self._mode_key not in group:
             for other in self._MODE_KEYS:
                 if other in group:
                     group[self._mode_key] = bool(group[other])
@@ -611,6 +678,7 @@ class AdamW(Adam):
     """Drop-in for ``torch.optim.AdamW`` (decoupled weight decay, default 1e-2)."""
 
     _name = "AdamW"
+    _always_decoupled = True
 
     def __init__(self, params: _Params, lr: float | torch.Tensor = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
@@ -642,7 +710,10 @@ class FusedAdam(_AdamBase):
     _config_attributes = ("set_grad_none",)
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
-        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
+        """DeepSpeed's ``zero_grad()``: grads set to None whatever ``set_grad_none`` says (with
+        ``set_grad_none=False`` DeepSpeed 0.19.8 falls back to torch's ``zero_grad()``, whose default
+        also sets them to None). ``set_to_none=False`` fills them with zeros, as torch's does."""
+        super().zero_grad(True if set_to_none is None else set_to_none)
 
     @fast_step_entry
     def step(self, closure: Optional[Callable[[], Any]] = None, grads: Any = None, output_params: Any = None,
@@ -690,7 +761,8 @@ class Lion(_FusedOptimizer):
     """
 
     _rule = "lion"
-    _state_dict_kind = validate.StateDictKind("Lion", ("betas",), ("eps", "lr_decay"), ("exp_avg",))
+    # lion_pytorch's Lion keeps no step count (nor does its rule use one).
+    _state_dict_kind = validate.StateDictKind("Lion", ("betas",), ("eps", "lr_decay"), ("exp_avg",), has_steps=False)
     _config_attributes = ("_init_lr", "decoupled_wd")
 
     def __init__(self, params: _Params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
@@ -727,7 +799,8 @@ class FusedLion(Lion):
         super().__init__(params, lr=lr, betas=betas, weight_decay=weight_decay, step_in_backward=step_in_backward)
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
-        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
+        """As :meth:`FusedAdam.zero_grad` (DeepSpeed's ``FusedLion`` has the same one)."""
+        super().zero_grad(True if set_to_none is None else set_to_none)
 
     @fast_step_entry
     def step(self, closure: Optional[Callable[[], Any]] = None, grads: Any = None, output_params: Any = None,
