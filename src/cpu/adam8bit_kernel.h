@@ -5,7 +5,8 @@
 // A block is two passes over L1-resident scratch: dequantize, Adam v2 with the clamp, store the
 // param, and track each moment's absmax; then requantize with the new scales. The three table
 // operations (dequantize, absmax, nearest code) are the only ISA-specific parts: byte permutes
-// (dequantize, with AVX512_VBMI) and gathers on x86, a lane loop elsewhere. Every path performs
+// (dequantize, with AVX512_VBMI) or gathers on x86, a lane loop elsewhere; the nearest code is
+// arithmetic on the maps' structure everywhere (q8_search.h), with no table gather. Every path performs
 // the reference's fp32 operations in its order (built with -ffp-contract=off), so all paths agree
 // bit for bit.
 #pragma once
@@ -68,22 +69,55 @@ inline uint32_t acc_reduce(Acc a) { return _mm512_reduce_max_epu32(a); }
 inline F clamp(F u, F lo, F hi) {  // NaN stays NaN: min/max return their second operand then
   return _mm512_max_ps(lo, _mm512_min_ps(hi, u));
 }
-// Nearest code of each lane (see Q8Map); NaN -> 0; with `positive_floor`, a positive x never 0.
-inline void quantize(uint8_t* out, F x, const Q8Map& map, bool positive_floor) {
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i key = _mm512_xor_si512(u, _mm512_or_si512(_mm512_srai_epi32(u, 31), _mm512_set1_epi32(INT32_MIN)));
-  const __m512i e = _mm512_i32gather_epi32(_mm512_srli_epi32(key, 16), map.bucket, 4);
-  const __m512i low = _mm512_set1_epi32(0xFFFF);
-  const __mmask16 up = _mm512_cmpgt_epu32_mask(_mm512_and_si512(key, low), _mm512_and_si512(e, low));
-  const __m512i one = _mm512_set1_epi32(1);
-  __m512i c = _mm512_srli_epi32(e, 16);
-  c = _mm512_mask_add_epi32(c, up, c, one);
-  c = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), c);
-  if (positive_floor) {
-    const __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
-    c = _mm512_mask_max_epu32(c, pos, c, one);
+// The nearest-code search (q8_search.h) on 16 lanes without a table load: the region from the
+// binade (two 32-entry permutes and one comparison), the region's constants by permutes, and the
+// count as floor(estimate), exact for every lane whose estimate lies further than Q8Map::unsure
+// from an integer; the few others (about 3 in 100,000) take q8_code.
+struct Quant {
+  const Q8Map* map;
+  __m512 a, c, jhi, unsure;
+  __m512i region0, region1, bound0, bound1;
+  bool is_signed;
+  explicit Quant(const Q8Map& m)
+      : map(&m), a(_mm512_loadu_ps(m.a)), c(_mm512_loadu_ps(m.c)), jhi(_mm512_loadu_ps(m.jhi)),
+        unsure(_mm512_set1_ps(m.unsure)), region0(_mm512_loadu_si512(m.region)), region1(_mm512_loadu_si512(m.region + 16)),
+        bound0(_mm512_loadu_si512(m.boundary)), bound1(_mm512_loadu_si512(m.boundary + 16)), is_signed(m.is_signed != 0) {}
+};
+inline __m512i q8_counts(const Quant& q, __m512i z, __mmask16& unsure) {
+  // Clamped to 96..127, whose low 5 bits (all that permutex2var reads) are the binade index.
+  const __m512i e = _mm512_min_epu32(_mm512_max_epu32(_mm512_srli_epi32(z, 23), _mm512_set1_epi32(96)),
+                                     _mm512_set1_epi32(127));
+  __m512i r = _mm512_permutex2var_epi32(q.region0, e, q.region1);
+  r = _mm512_mask_add_epi32(r, _mm512_cmpgt_epu32_mask(z, _mm512_permutex2var_epi32(q.bound0, e, q.bound1)), r,
+                            _mm512_set1_epi32(1));
+  const __m512 f = _mm512_sub_ps(_mm512_mul_ps(_mm512_castsi512_ps(z), _mm512_permutexvar_ps(r, q.a)),
+                                 _mm512_permutexvar_ps(r, q.c));
+  const __m512 near = _mm512_sub_ps(f, _mm512_roundscale_ps(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  unsure = _mm512_cmp_ps_mask(_mm512_abs_ps(near), q.unsure, _CMP_LE_OQ);  // false for NaN
+  // min returns its second operand for a NaN estimate (z = inf in region 8): that region's count.
+  return _mm512_cvttps_epi32(_mm512_min_ps(f, _mm512_permutexvar_ps(r, q.jhi)));
+}
+inline void quantize(uint8_t* out, F x, const Quant& q, bool positive_floor) {
+  const __m512i u = _mm512_castps_si512(x), one = _mm512_set1_epi32(1);
+  const __m512i y = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
+  const __mmask16 neg = _mm512_cmplt_epi32_mask(u, _mm512_setzero_si512());
+  __mmask16 keep = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), unsure;
+  __m512i c;
+  if (q.is_signed) {
+    const __m512i zero = _mm512_set1_epi32(int(q.map->zero));
+    const __m512i p = q8_counts(q, _mm512_mask_add_epi32(y, neg, y, one), unsure);
+    c = _mm512_mask_sub_epi32(_mm512_add_epi32(zero, p), neg, zero, _mm512_min_epu32(p, zero));
+  } else {
+    c = q8_counts(q, y, unsure);
+    keep &= __mmask16(~neg);
   }
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(c));
+  if (positive_floor) c = _mm512_mask_max_epu32(c, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ), c, one);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_maskz_cvtepi32_epi8(keep, c));
+  if (unsure) {
+    alignas(64) float t[W];
+    _mm512_store_ps(t, x);
+    for (unsigned m = unsure; m; m &= m - 1) out[__builtin_ctz(m)] = q8_code(t[__builtin_ctz(m)], *q.map, positive_floor);
+  }
 }
 #elif defined(MFA_ISA_AVX2)
 using Acc = __m256i;
@@ -104,21 +138,58 @@ inline uint32_t acc_reduce(Acc a) {
   return uint32_t(_mm_cvtsi128_si32(m));
 }
 inline F clamp(F u, F lo, F hi) { return _mm256_max_ps(lo, _mm256_min_ps(hi, u)); }
-inline void quantize(uint8_t* out, F x, const Q8Map& map, bool positive_floor) {
-  const __m256i u = _mm256_castps_si256(x);
-  const __m256i key = _mm256_xor_si256(u, _mm256_or_si256(_mm256_srai_epi32(u, 31), _mm256_set1_epi32(INT32_MIN)));
-  const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(map.bucket), _mm256_srli_epi32(key, 16), 4);
-  // Unsigned 16-bit halves compare correctly as signed 32-bit integers.
-  const __m256i low = _mm256_set1_epi32(0xFFFF);
-  const __m256i up = _mm256_cmpgt_epi32(_mm256_and_si256(key, low), _mm256_and_si256(e, low));
-  __m256i c = _mm256_sub_epi32(_mm256_srli_epi32(e, 16), up);  // a true mask is -1
-  c = _mm256_and_si256(c, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q)));
+// The AVX-512 path's search (see there) on 8 lanes: the region by comparisons with the eight
+// boundaries (no 32-entry permute here), regions 0..7's constants by permutes, region 8 by blend.
+struct Quant {
+  const Q8Map* map;
+  __m256 a, c, jhi, unsure;
+  __m256i bound[8], top;
+  bool is_signed;
+  explicit Quant(const Q8Map& m)
+      : map(&m), a(_mm256_loadu_ps(m.a)), c(_mm256_loadu_ps(m.c)), jhi(_mm256_loadu_ps(m.jhi)),
+        unsure(_mm256_set1_ps(m.unsure)), top(_mm256_set1_epi32(int(m.jhi[8]))), is_signed(m.is_signed != 0) {
+    for (int k = 0; k < 8; ++k) bound[k] = _mm256_set1_epi32(int(m.boundaries[k]));
+  }
+};
+// z as signed 32-bit integers: every boundary and every z but one NaN pattern are positive.
+inline __m256i q8_counts(const Quant& q, __m256i z, int& unsure) {
+  __m256i r = _mm256_setzero_si256();
+  for (int k = 0; k < 7; ++k) r = _mm256_sub_epi32(r, _mm256_cmpgt_epi32(z, q.bound[k]));  // a true mask is -1
+  const __m256i above = _mm256_cmpgt_epi32(z, q.bound[7]);
+  const __m256 f = _mm256_sub_ps(_mm256_mul_ps(_mm256_castsi256_ps(z), _mm256_permutevar8x32_ps(q.a, r)),
+                                 _mm256_permutevar8x32_ps(q.c, r));
+  const __m256 near = _mm256_sub_ps(f, _mm256_round_ps(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m256 abs_near = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), near);
+  unsure = _mm256_movemask_ps(_mm256_andnot_ps(_mm256_castsi256_ps(above), _mm256_cmp_ps(abs_near, q.unsure, _CMP_LE_OQ)));
+  const __m256i p = _mm256_cvttps_epi32(_mm256_min_ps(f, _mm256_permutevar8x32_ps(q.jhi, r)));
+  return _mm256_blendv_epi8(p, q.top, above);
+}
+inline void quantize(uint8_t* out, F x, const Quant& q, bool positive_floor) {
+  const __m256i u = _mm256_castps_si256(x), one = _mm256_set1_epi32(1);
+  const __m256i y = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i neg = _mm256_srai_epi32(u, 31);
+  __m256i keep = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q)), c;
+  int unsure;
+  if (q.is_signed) {
+    const __m256i zero = _mm256_set1_epi32(int(q.map->zero));
+    const __m256i p = q8_counts(q, _mm256_sub_epi32(y, neg), unsure);
+    c = _mm256_blendv_epi8(_mm256_add_epi32(zero, p), _mm256_sub_epi32(zero, _mm256_min_epu32(p, zero)), neg);
+  } else {
+    c = q8_counts(q, y, unsure);
+    keep = _mm256_andnot_si256(neg, keep);
+  }
   if (positive_floor) {
     const __m256i pos = _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ));
-    c = _mm256_max_epu32(c, _mm256_and_si256(pos, _mm256_set1_epi32(1)));
+    c = _mm256_max_epu32(c, _mm256_and_si256(pos, one));
   }
+  c = _mm256_and_si256(c, keep);
   const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
   _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(w, w));
+  if (unsure) {
+    alignas(32) float t[W];
+    _mm256_store_ps(t, x);
+    for (unsigned m = unsigned(unsure); m; m &= m - 1) out[__builtin_ctz(m)] = q8_code(t[__builtin_ctz(m)], *q.map, positive_floor);
+  }
 }
 #else
 // Scalar and NEON: the same operations one lane at a time (NEON has no gather).
@@ -157,19 +228,15 @@ inline F clamp(F u, F lo, F hi) {
   }
   return Vec::load(t);
 }
-inline void quantize(uint8_t* out, F x, const Q8Map& map, bool positive_floor) {
+// One lane at a time: q8_search.h's definition itself.
+struct Quant {
+  const Q8Map* map;
+  explicit Quant(const Q8Map& m) : map(&m) {}
+};
+inline void quantize(uint8_t* out, F x, const Quant& q, bool positive_floor) {
   float t[W];
   Vec::store(t, x);
-  for (int k = 0; k < W; ++k) {
-    const float v = t[k];
-    const uint32_t u = bits_of(v);
-    const uint32_t key = u ^ ((u >> 31 ? 0xFFFFFFFFu : 0u) | 0x80000000u);
-    const uint32_t e = map.bucket[key >> 16];
-    uint32_t c = (e >> 16) + ((key & 0xFFFFu) > (e & 0xFFFFu) ? 1u : 0u);
-    if (v != v) c = 0;
-    if (positive_floor && c == 0 && v > 0.0f) c = 1;
-    out[k] = uint8_t(c);
-  }
+  for (int k = 0; k < W; ++k) out[k] = q8_code(t[k], *q.map, positive_floor);
 }
 #endif
 
@@ -193,6 +260,7 @@ void adam8bit_blocks(const Q8Job& job, int64_t b0, int64_t b1) {
   float* const absmax1 = job.absmax1;
   float* const absmax2 = job.absmax2;
   const Q8Map map1 = job.map1, map2 = job.map2;
+  const Quant quant1(map1), quant2(map2);
   const int64_t n = job.n;
   const uint32_t sr_key = job.sr_key;
   alignas(64) float mb[kQ8Block], vb[kQ8Block];
@@ -270,13 +338,13 @@ void adam8bit_blocks(const Q8Job& job, int64_t b0, int64_t b1) {
     const float s1 = from_bits(acc_reduce(mx1)), s2 = from_bits(acc_reduce(mx2));
     const F inv1 = Vec::set1(s1 == 0.0f ? 0.0f : 1.0f / s1), inv2 = Vec::set1(s2 == 0.0f ? 0.0f : 1.0f / s2);
     for (j = 0; j + W <= len; j += W) {
-      quantize(codes1 + lo + j, Vec::load(mb + j) * inv1, map1, false);
-      quantize(codes2 + lo + j, Vec::load(vb + j) * inv2, map2, true);
+      quantize(codes1 + lo + j, Vec::load(mb + j) * inv1, quant1, false);
+      quantize(codes2 + lo + j, Vec::load(vb + j) * inv2, quant2, true);
     }
     if (r > 0) {
       uint8_t q1[W], q2[W];
-      quantize(q1, Vec::load(mb + j) * inv1, map1, false);
-      quantize(q2, Vec::load(vb + j) * inv2, map2, true);
+      quantize(q1, Vec::load(mb + j) * inv1, quant1, false);
+      quantize(q2, Vec::load(vb + j) * inv2, quant2, true);
       for (int k = 0; k < r; ++k) {
         codes1[lo + j + k] = q1[k];
         codes2[lo + j + k] = q2[k];
@@ -326,9 +394,23 @@ void adam8bit_floor_blocks(const Q8Job& job, int64_t b0, int64_t b1) {
   }
 }
 
+inline void quantize_n(const float* x, int64_t n, const Q8Map& map, bool positive_floor, uint8_t* out) {
+  const Quant q(map);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) quantize(out + i, Vec::load(x + i), q, positive_floor);
+  if (i < n) {
+    float t[W] = {};
+    uint8_t c[W];
+    for (int64_t k = 0; k < n - i; ++k) t[k] = x[i + k];
+    quantize(c, Vec::load(t), q, positive_floor);
+    for (int64_t k = 0; k < n - i; ++k) out[i + k] = c[k];
+  }
+}
+
 }  // namespace q8
 
 inline void fill_adam8bit(IsaTable& t) {
+  t.q8_quantize = q8::quantize_n;
   t.adam8bit[int(Q8Param::F32)] = q8::adam8bit_blocks<float>;
   t.adam8bit[int(Q8Param::F16)] = q8::adam8bit_blocks<mfa::f16>;
   t.adam8bit[int(Q8Param::BF16)] = q8::adam8bit_blocks<mfa::bf16>;
