@@ -78,6 +78,8 @@ void add_job(Batch& b, uintptr_t param, uintptr_t grad, uintptr_t codes1, uintpt
              uintptr_t absmax2, int64_t n, int param_dtype, const Q8Map& map1, const Q8Map& map2,
              const nb::bytes& scalars, uint32_t sr_key, bool sr, bool floor) {
   if (n == 0) return;
+  if (!map1.is_signed || map2.is_signed)
+    throw std::invalid_argument("adam8bit: map1 must be lowbit.kernel_table(True) (signed), map2 kernel_table(False)");
   Q8Job q{};
   q.map1 = map1;
   q.map2 = map2;

@@ -16,6 +16,14 @@ namespace q8 {
 constexpr int W = Vec::W;
 using F = Vec::F;
 
+// The search runs twice per vector: inlined, so that its constants stay in registers (as a call
+// it reloaded them and realigned the stack each time). The lanes it is unsure of go out of line.
+#define MFA_Q8_HOT inline __attribute__((always_inline))
+__attribute__((noinline, cold)) inline void recheck(uint8_t* out, const float* x, unsigned lanes, const Q8Map& map,
+                                                    bool positive_floor) {
+  for (; lanes; lanes &= lanes - 1) out[__builtin_ctz(lanes)] = q8_code(x[__builtin_ctz(lanes)], map, positive_floor);
+}
+
 #if defined(MFA_ISA_AVX512)
 using Acc = __m512i;  // running max of |x|'s bit patterns
 inline Acc acc_zero() { return _mm512_setzero_si512(); }
@@ -73,50 +81,58 @@ inline F clamp(F u, F lo, F hi) {  // NaN stays NaN: min/max return their second
 // binade (two 32-entry permutes and one comparison), the region's constants by permutes, and the
 // count as floor(estimate), exact for every lane whose estimate lies further than Q8Map::unsure
 // from an integer; the few others (about 3 in 100,000) take q8_code.
+template <bool Signed>
 struct Quant {
   const Q8Map* map;
   __m512 a, c, jhi, unsure;
-  __m512i region0, region1, bound0, bound1;
-  bool is_signed;
+  __m512i region0, region1, bound0, bound1, lowest, highest, one, zero;
   explicit Quant(const Q8Map& m)
       : map(&m), a(_mm512_loadu_ps(m.a)), c(_mm512_loadu_ps(m.c)), jhi(_mm512_loadu_ps(m.jhi)),
         unsure(_mm512_set1_ps(m.unsure)), region0(_mm512_loadu_si512(m.region)), region1(_mm512_loadu_si512(m.region + 16)),
-        bound0(_mm512_loadu_si512(m.boundary)), bound1(_mm512_loadu_si512(m.boundary + 16)), is_signed(m.is_signed != 0) {}
+        bound0(_mm512_loadu_si512(m.boundary)), bound1(_mm512_loadu_si512(m.boundary + 16)),
+        lowest(_mm512_set1_epi32(96)), highest(_mm512_set1_epi32(127)), one(_mm512_set1_epi32(1)),
+        zero(_mm512_set1_epi32(int(m.zero))) {}
 };
-inline __m512i q8_counts(const Quant& q, __m512i z, __mmask16& unsure) {
+template <bool Signed>
+MFA_Q8_HOT __m512i q8_counts(const Quant<Signed>& q, __m512i z, __mmask16& unsure) {
   // Clamped to 96..127, whose low 5 bits (all that permutex2var reads) are the binade index.
-  const __m512i e = _mm512_min_epu32(_mm512_max_epu32(_mm512_srli_epi32(z, 23), _mm512_set1_epi32(96)),
-                                     _mm512_set1_epi32(127));
+  const __m512i e = _mm512_min_epu32(_mm512_max_epu32(_mm512_srli_epi32(z, 23), q.lowest), q.highest);
   __m512i r = _mm512_permutex2var_epi32(q.region0, e, q.region1);
-  r = _mm512_mask_add_epi32(r, _mm512_cmpgt_epu32_mask(z, _mm512_permutex2var_epi32(q.bound0, e, q.bound1)), r,
-                            _mm512_set1_epi32(1));
+  r = _mm512_mask_add_epi32(r, _mm512_cmpgt_epu32_mask(z, _mm512_permutex2var_epi32(q.bound0, e, q.bound1)), r, q.one);
   const __m512 f = _mm512_sub_ps(_mm512_mul_ps(_mm512_castsi512_ps(z), _mm512_permutexvar_ps(r, q.a)),
                                  _mm512_permutexvar_ps(r, q.c));
+#if defined(__AVX512DQ__)
+  const __m512 near = _mm512_reduce_ps(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // f - rint(f)
+#else
   const __m512 near = _mm512_sub_ps(f, _mm512_roundscale_ps(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
   unsure = _mm512_cmp_ps_mask(_mm512_abs_ps(near), q.unsure, _CMP_LE_OQ);  // false for NaN
   // min returns its second operand for a NaN estimate (z = inf in region 8): that region's count.
   return _mm512_cvttps_epi32(_mm512_min_ps(f, _mm512_permutexvar_ps(r, q.jhi)));
 }
-inline void quantize(uint8_t* out, F x, const Quant& q, bool positive_floor) {
-  const __m512i u = _mm512_castps_si512(x), one = _mm512_set1_epi32(1);
+template <bool Signed>
+MFA_Q8_HOT void quantize(uint8_t* out, F x, const Quant<Signed>& q, bool positive_floor) {
+  const __m512i u = _mm512_castps_si512(x);
   const __m512i y = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
-  const __mmask16 neg = _mm512_cmplt_epi32_mask(u, _mm512_setzero_si512());
-  __mmask16 keep = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), unsure;
+  __mmask16 unsure;
   __m512i c;
-  if (q.is_signed) {
-    const __m512i zero = _mm512_set1_epi32(int(q.map->zero));
-    const __m512i p = q8_counts(q, _mm512_mask_add_epi32(y, neg, y, one), unsure);
-    c = _mm512_mask_sub_epi32(_mm512_add_epi32(zero, p), neg, zero, _mm512_min_epu32(p, zero));
+  if (Signed) {
+    const __mmask16 neg = _mm512_cmplt_epi32_mask(u, _mm512_setzero_si512());
+    const __m512i p = q8_counts(q, _mm512_mask_add_epi32(y, neg, y, q.one), unsure);
+    c = _mm512_mask_sub_epi32(_mm512_add_epi32(q.zero, p), neg, q.zero, _mm512_min_epu32(p, q.zero));
+    if (positive_floor) c = _mm512_mask_max_epu32(c, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ), c, q.one);
+    c = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), c);  // NaN -> 0
   } else {
+    // Below zero, at zero and NaN: code 0; above zero the count (at least 1 with the floor).
+    const __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
     c = q8_counts(q, y, unsure);
-    keep &= __mmask16(~neg);
+    c = positive_floor ? _mm512_maskz_max_epu32(pos, c, q.one) : _mm512_maskz_mov_epi32(pos, c);
   }
-  if (positive_floor) c = _mm512_mask_max_epu32(c, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ), c, one);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_maskz_cvtepi32_epi8(keep, c));
-  if (unsure) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(c));
+  if (__builtin_expect(unsure != 0, 0)) {
     alignas(64) float t[W];
     _mm512_store_ps(t, x);
-    for (unsigned m = unsure; m; m &= m - 1) out[__builtin_ctz(m)] = q8_code(t[__builtin_ctz(m)], *q.map, positive_floor);
+    recheck(out, t, unsure, *q.map, positive_floor);
   }
 }
 #elif defined(MFA_ISA_AVX2)
@@ -140,19 +156,21 @@ inline uint32_t acc_reduce(Acc a) {
 inline F clamp(F u, F lo, F hi) { return _mm256_max_ps(lo, _mm256_min_ps(hi, u)); }
 // The AVX-512 path's search (see there) on 8 lanes: the region by comparisons with the eight
 // boundaries (no 32-entry permute here), regions 0..7's constants by permutes, region 8 by blend.
+template <bool Signed>
 struct Quant {
   const Q8Map* map;
   __m256 a, c, jhi, unsure;
-  __m256i bound[8], top;
-  bool is_signed;
+  __m256i bound[8], top, one, zero;
   explicit Quant(const Q8Map& m)
       : map(&m), a(_mm256_loadu_ps(m.a)), c(_mm256_loadu_ps(m.c)), jhi(_mm256_loadu_ps(m.jhi)),
-        unsure(_mm256_set1_ps(m.unsure)), top(_mm256_set1_epi32(int(m.jhi[8]))), is_signed(m.is_signed != 0) {
+        unsure(_mm256_set1_ps(m.unsure)), top(_mm256_set1_epi32(int(m.jhi[8]))), one(_mm256_set1_epi32(1)),
+        zero(_mm256_set1_epi32(int(m.zero))) {
     for (int k = 0; k < 8; ++k) bound[k] = _mm256_set1_epi32(int(m.boundaries[k]));
   }
 };
 // z as signed 32-bit integers: every boundary and every z but one NaN pattern are positive.
-inline __m256i q8_counts(const Quant& q, __m256i z, int& unsure) {
+template <bool Signed>
+MFA_Q8_HOT __m256i q8_counts(const Quant<Signed>& q, __m256i z, int& unsure) {
   __m256i r = _mm256_setzero_si256();
   for (int k = 0; k < 7; ++k) r = _mm256_sub_epi32(r, _mm256_cmpgt_epi32(z, q.bound[k]));  // a true mask is -1
   const __m256i above = _mm256_cmpgt_epi32(z, q.bound[7]);
@@ -164,31 +182,34 @@ inline __m256i q8_counts(const Quant& q, __m256i z, int& unsure) {
   const __m256i p = _mm256_cvttps_epi32(_mm256_min_ps(f, _mm256_permutevar8x32_ps(q.jhi, r)));
   return _mm256_blendv_epi8(p, q.top, above);
 }
-inline void quantize(uint8_t* out, F x, const Quant& q, bool positive_floor) {
-  const __m256i u = _mm256_castps_si256(x), one = _mm256_set1_epi32(1);
+template <bool Signed>
+MFA_Q8_HOT void quantize(uint8_t* out, F x, const Quant<Signed>& q, bool positive_floor) {
+  const __m256i u = _mm256_castps_si256(x);
   const __m256i y = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF));
-  const __m256i neg = _mm256_srai_epi32(u, 31);
-  __m256i keep = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q)), c;
   int unsure;
-  if (q.is_signed) {
-    const __m256i zero = _mm256_set1_epi32(int(q.map->zero));
+  __m256i c;
+  if (Signed) {
+    const __m256i neg = _mm256_srai_epi32(u, 31);
     const __m256i p = q8_counts(q, _mm256_sub_epi32(y, neg), unsure);
-    c = _mm256_blendv_epi8(_mm256_add_epi32(zero, p), _mm256_sub_epi32(zero, _mm256_min_epu32(p, zero)), neg);
+    c = _mm256_blendv_epi8(_mm256_add_epi32(q.zero, p), _mm256_sub_epi32(q.zero, _mm256_min_epu32(p, q.zero)), neg);
+    if (positive_floor) {
+      const __m256i pos = _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ));
+      c = _mm256_max_epu32(c, _mm256_and_si256(pos, q.one));
+    }
+    c = _mm256_and_si256(c, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q)));  // NaN -> 0
   } else {
-    c = q8_counts(q, y, unsure);
-    keep = _mm256_andnot_si256(neg, keep);
-  }
-  if (positive_floor) {
+    // Below zero, at zero and NaN: code 0; above zero the count (at least 1 with the floor).
     const __m256i pos = _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ));
-    c = _mm256_max_epu32(c, _mm256_and_si256(pos, one));
+    c = q8_counts(q, y, unsure);
+    if (positive_floor) c = _mm256_max_epu32(c, q.one);
+    c = _mm256_and_si256(c, pos);
   }
-  c = _mm256_and_si256(c, keep);
   const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
   _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(w, w));
-  if (unsure) {
+  if (__builtin_expect(unsure != 0, 0)) {
     alignas(32) float t[W];
     _mm256_store_ps(t, x);
-    for (unsigned m = unsigned(unsure); m; m &= m - 1) out[__builtin_ctz(m)] = q8_code(t[__builtin_ctz(m)], *q.map, positive_floor);
+    recheck(out, t, unsigned(unsure), *q.map, positive_floor);
   }
 }
 #else
@@ -229,11 +250,13 @@ inline F clamp(F u, F lo, F hi) {
   return Vec::load(t);
 }
 // One lane at a time: q8_search.h's definition itself.
+template <bool Signed>
 struct Quant {
   const Q8Map* map;
   explicit Quant(const Q8Map& m) : map(&m) {}
 };
-inline void quantize(uint8_t* out, F x, const Quant& q, bool positive_floor) {
+template <bool Signed>
+inline void quantize(uint8_t* out, F x, const Quant<Signed>& q, bool positive_floor) {
   float t[W];
   Vec::store(t, x);
   for (int k = 0; k < W; ++k) out[k] = q8_code(t[k], *q.map, positive_floor);
@@ -260,7 +283,8 @@ void adam8bit_blocks(const Q8Job& job, int64_t b0, int64_t b1) {
   float* const absmax1 = job.absmax1;
   float* const absmax2 = job.absmax2;
   const Q8Map map1 = job.map1, map2 = job.map2;
-  const Quant quant1(map1), quant2(map2);
+  const Quant<true> quant1(map1);  // the first moment's map is signed, the second's not (adam8bit.cpp checks)
+  const Quant<false> quant2(map2);
   const int64_t n = job.n;
   const uint32_t sr_key = job.sr_key;
   alignas(64) float mb[kQ8Block], vb[kQ8Block];
@@ -394,8 +418,9 @@ void adam8bit_floor_blocks(const Q8Job& job, int64_t b0, int64_t b1) {
   }
 }
 
-inline void quantize_n(const float* x, int64_t n, const Q8Map& map, bool positive_floor, uint8_t* out) {
-  const Quant q(map);
+template <bool Signed>
+void quantize_map(const float* x, int64_t n, const Q8Map& map, bool positive_floor, uint8_t* out) {
+  const Quant<Signed> q(map);
   int64_t i = 0;
   for (; i + W <= n; i += W) quantize(out + i, Vec::load(x + i), q, positive_floor);
   if (i < n) {
@@ -405,6 +430,9 @@ inline void quantize_n(const float* x, int64_t n, const Q8Map& map, bool positiv
     quantize(c, Vec::load(t), q, positive_floor);
     for (int64_t k = 0; k < n - i; ++k) out[i + k] = c[k];
   }
+}
+inline void quantize_n(const float* x, int64_t n, const Q8Map& map, bool positive_floor, uint8_t* out) {
+  (map.is_signed ? quantize_map<true> : quantize_map<false>)(x, n, map, positive_floor, out);
 }
 
 }  // namespace q8
