@@ -114,21 +114,21 @@ template <bool Signed>
 MFA_Q8_HOT void quantize(uint8_t* out, F x, const Quant<Signed>& q, bool positive_floor) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i y = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
-  __mmask16 unsure;
+  __mmask16 unsure, keep;  // the lanes whose code may be non-zero
   __m512i c;
   if (Signed) {
     const __mmask16 neg = _mm512_cmplt_epi32_mask(u, _mm512_setzero_si512());
     const __m512i p = q8_counts(q, _mm512_mask_add_epi32(y, neg, y, q.one), unsure);
     c = _mm512_mask_sub_epi32(_mm512_add_epi32(q.zero, p), neg, q.zero, _mm512_min_epu32(p, q.zero));
     if (positive_floor) c = _mm512_mask_max_epu32(c, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ), c, q.one);
-    c = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), c);  // NaN -> 0
+    keep = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);  // NaN -> 0
   } else {
     // Below zero, at zero and NaN: code 0; above zero the count (at least 1 with the floor).
-    const __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
+    keep = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
     c = q8_counts(q, y, unsure);
-    c = positive_floor ? _mm512_maskz_max_epu32(pos, c, q.one) : _mm512_maskz_mov_epi32(pos, c);
+    if (positive_floor) c = _mm512_max_epu32(c, q.one);
   }
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(c));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_maskz_cvtepi32_epi8(keep, c));
   if (__builtin_expect(unsure != 0, 0)) {
     alignas(64) float t[W];
     _mm512_store_ps(t, x);
@@ -213,7 +213,8 @@ MFA_Q8_HOT void quantize(uint8_t* out, F x, const Quant<Signed>& q, bool positiv
   }
 }
 #else
-// Scalar and NEON: the same operations one lane at a time (NEON has no gather).
+// Scalar and NEON: the same operations one lane at a time (NEON has no gather); the search
+// vectorized on NEON.
 struct Acc { uint32_t lane[W]; };
 inline Acc acc_zero() { return Acc{}; }
 constexpr bool kBlockDequant = false;  // the per-vector gather or lane loop
@@ -249,6 +250,68 @@ inline F clamp(F u, F lo, F hi) {
   }
   return Vec::load(t);
 }
+#if defined(MFA_ISA_NEON)
+// The AVX2 path's search on 4 lanes: the region by comparisons with the eight boundaries,
+// regions 0..7's constants by byte table lookups (tbl), region 8 by select.
+template <bool Signed>
+struct Quant {
+  const Q8Map* map;
+  uint8x16x2_t a, c, jhi;  // regions 0..7's constants as 32 table bytes each
+  uint32x4_t bound[8], top, zero;
+  float32x4_t unsure;
+  static uint8x16x2_t bytes8(const float* t) {
+    return uint8x16x2_t{{vreinterpretq_u8_f32(vld1q_f32(t)), vreinterpretq_u8_f32(vld1q_f32(t + 4))}};
+  }
+  explicit Quant(const Q8Map& m)
+      : map(&m), a(bytes8(m.a)), c(bytes8(m.c)), jhi(bytes8(m.jhi)), top(vdupq_n_u32(uint32_t(m.jhi[8]))),
+        zero(vdupq_n_u32(m.zero)), unsure(vdupq_n_f32(m.unsure)) {
+    for (int k = 0; k < 8; ++k) bound[k] = vdupq_n_u32(m.boundaries[k]);
+  }
+};
+template <bool Signed>
+inline uint32x4_t q8_counts(const Quant<Signed>& q, uint32x4_t z, bool& unsure) {
+  uint32x4_t r = vdupq_n_u32(0);
+  for (int k = 0; k < 7; ++k) r = vsubq_u32(r, vcgtq_u32(z, q.bound[k]));  // a true mask is -1
+  const uint32x4_t above = vcgtq_u32(z, q.bound[7]);
+  // Byte indices 4r..4r+3 of each lane's constant.
+  const uint8x16_t idx = vreinterpretq_u8_u32(vaddq_u32(vmulq_n_u32(r, 0x04040404u), vdupq_n_u32(0x03020100u)));
+  const float32x4_t a = vreinterpretq_f32_u8(vqtbl2q_u8(q.a, idx)), c = vreinterpretq_f32_u8(vqtbl2q_u8(q.c, idx));
+  const float32x4_t hi = vreinterpretq_f32_u8(vqtbl2q_u8(q.jhi, idx));
+  const float32x4_t f = vsubq_f32(vmulq_f32(vreinterpretq_f32_u32(z), a), c);
+  const uint32x4_t near = vcleq_f32(vabsq_f32(vsubq_f32(f, vrndnq_f32(f))), q.unsure);  // false for NaN
+  unsure = vmaxvq_u32(vbicq_u32(near, above)) != 0;
+  // f below the region's top count, else (and for a NaN estimate) that count.
+  const uint32x4_t p = vcvtq_u32_f32(vbslq_f32(vcltq_f32(f, hi), f, hi));
+  return vbslq_u32(above, q.top, p);
+}
+template <bool Signed>
+inline void quantize(uint8_t* out, F x, const Quant<Signed>& q, bool positive_floor) {
+  const uint32x4_t u = vreinterpretq_u32_f32(x), one = vdupq_n_u32(1);
+  const uint32x4_t y = vandq_u32(u, vdupq_n_u32(0x7FFFFFFFu));
+  const uint32x4_t neg = vcltq_s32(vreinterpretq_s32_u32(u), vdupq_n_s32(0));
+  const uint32x4_t pos = vcgtq_f32(x, vdupq_n_f32(0.0f));
+  bool unsure;
+  uint32x4_t c;
+  if (Signed) {
+    const uint32x4_t p = q8_counts(q, vsubq_u32(y, neg), unsure);
+    c = vbslq_u32(neg, vsubq_u32(q.zero, vminq_u32(p, q.zero)), vaddq_u32(q.zero, p));
+    if (positive_floor) c = vbslq_u32(pos, vmaxq_u32(c, one), c);
+    c = vandq_u32(c, vceqq_f32(x, x));  // NaN -> 0
+  } else {
+    // Below zero, at zero and NaN: code 0; above zero the count (at least 1 with the floor).
+    c = q8_counts(q, y, unsure);
+    if (positive_floor) c = vmaxq_u32(c, one);
+    c = vandq_u32(c, pos);
+  }
+  const uint8x8_t b = vmovn_u16(vcombine_u16(vmovn_u32(c), vmovn_u32(c)));
+  vst1_lane_u32(reinterpret_cast<uint32_t*>(out), vreinterpret_u32_u8(b), 0);
+  if (unsure) {
+    float t[W];
+    vst1q_f32(t, x);
+    recheck(out, t, 0xFu, *q.map, positive_floor);
+  }
+}
+#else
 // One lane at a time: q8_search.h's definition itself.
 template <bool Signed>
 struct Quant {
@@ -261,6 +324,7 @@ inline void quantize(uint8_t* out, F x, const Quant<Signed>& q, bool positive_fl
   Vec::store(t, x);
   for (int k = 0; k < W; ++k) out[k] = q8_code(t[k], *q.map, positive_floor);
 }
+#endif  // MFA_ISA_NEON
 #endif
 
 inline float from_bits(uint32_t u) { float f; __builtin_memcpy(&f, &u, 4); return f; }
