@@ -118,7 +118,7 @@ def _floor8(opt) -> Callable[[], None]:
     trivial math that keeps every value) on the very param, grad and states of ``opt`` (an
     ``AdamW8bit`` after its first step): bench._floor_fn says why not on copies."""
     from mps_fused_adam import _cpu
-    from mps_fused_adam.optimizers.eight_bit import _PARAM_CODES
+    from mps_fused_adam.backends import _DTYPE_CODES as _PARAM_CODES
     (p,) = opt.param_groups[0]["params"]
     st = opt.state[p]
     keep = (p, st)

@@ -270,7 +270,11 @@ def _record(fn, errors: list) -> None:
 class FakeMetalExt:
     """The ``_metal`` extension's Python surface, dispatching through the emulator.
 
-    Mirrors metal_adam.mm: ``load`` checks that every named kernel exists; ``step`` checks its
+    Mirrors metal_adam.mm: ``load`` builds each named kernel's "pipeline" on its own and returns
+    ``{name: error}`` for those that failed: a kernel the emulator lacks, every bfloat kernel of a
+    device without bfloat (``bfloat=False``, Metal's error text as a device without it gives it is
+    not known here: the message says it is a stand-in), and those of ``failing`` (name -> error
+    text); ``step`` checks its
     arguments, takes ``torch_mps``'s dispatch queue on the calling thread, and inside
     ``dispatch_sync`` on it (after checking the queue is still this thread's) opens one encoder on
     the command buffer of the stream the hooks give, runs the named kernel over each parameter,
@@ -278,24 +282,37 @@ class FakeMetalExt:
     256, and commits nothing. It knows no rule: names, tensor lists and bytes.
     """
 
-    def __init__(self, emulator: Emulator, max_threads: int = 1 << 30, torch_mps: FakeTorchMps | None = None) -> None:
+    def __init__(self, emulator: Emulator, max_threads: int = 1 << 30, torch_mps: FakeTorchMps | None = None,
+                 bfloat: bool = True, failing: dict[str, str] | None = None) -> None:
         self.emu = emulator
         self.max_threads = max_threads
         self.torch_mps = torch_mps or FakeTorchMps()
         self.loaded: list[str] = []
         self.calls: list[tuple] = []
+        self.bfloat = bfloat
+        self.failing = dict(failing or {})
+        self.pipelines: set[str] = set()
 
-    def load(self, metallib_path: str, kernel_names: list[str]) -> None:
+    def load(self, metallib_path: str, kernel_names: list[str]) -> dict[str, str]:
         if not Path(metallib_path).is_file():
             raise RuntimeError(f"cannot load {metallib_path}")
-        missing = sorted(set(kernel_names) - set(self.emu.kernel_names))
-        if missing:
-            raise RuntimeError(f"{metallib_path} has no kernel {missing[0]}")
+        failed = {}
+        for name in kernel_names:
+            if name not in self.emu.kernel_names:
+                failed[name] = f"mps_fused_adam._metal: {metallib_path} has no kernel {name}"
+            elif name in self.failing:
+                failed[name] = f"mps_fused_adam._metal: cannot build the pipeline of {name}: {self.failing[name]}"
+            elif not self.bfloat and "_bfloat_" in name:
+                failed[name] = (f"mps_fused_adam._metal: cannot build the pipeline of {name}: (stand-in) this "
+                                "device does not support bfloat")
+            else:
+                self.pipelines.add(name)
         self.loaded.append(metallib_path)
+        return failed
 
     def step(self, kernel_name: str, tensors: list, scalars: bytes) -> None:
         self.calls.append((kernel_name, tensors, scalars))
-        if not self.loaded or kernel_name not in self.emu.kernel_names:
+        if not self.loaded or kernel_name not in self.pipelines:
             raise ValueError(f"no kernel {kernel_name} was loaded")
         if len(tensors) != self.emu.buffer_count[kernel_name]:
             raise ValueError(f"{kernel_name} takes {self.emu.buffer_count[kernel_name]} tensor lists, got {len(tensors)}")
@@ -424,7 +441,23 @@ def make_backend(tier: int, pkg: Path, emu: Emulator, **kw):
     tiers = mps_tiers(load_ext=lambda: ext, mps_api=kw.pop("api", None) or FakeMpsApi(emu), package_dir=pkg,
                       probe_device="cpu")
     backend = tiers[tier - 1][1]()
-    # The tier's first-use probe ran through the stand-ins: the tests count only their own calls.
+    if kw.pop("probe_all", True):  # every kernel probed now, as prepare would before its first use
+        from mps_fused_adam.backends.mps import KERNELS
+        backend.prepare([k for k in KERNELS if backend.unavailable(k) is None])
+    # The tier's probes ran through the stand-ins: the tests count only their own calls.
     ext.calls.clear()
     emu.dispatches.clear()
     return backend
+
+
+def make_chain(pkg: Path, emu: Emulator, ext: FakeMetalExt | None = None, api: FakeMpsApi | None = None,
+               device_type: str = "mps", **kw):
+    """What ``get_backend("mps")`` builds (backends.TierChain over tiers 1-3 and foreach), its
+    Apple pieces replaced by the stand-ins; probes run on CPU tensors."""
+    from mps_fused_adam import backends
+    from mps_fused_adam.backends.chain import TierChain
+    from mps_fused_adam.backends.mps import mps_tiers
+    ext = ext or FakeMetalExt(emu)
+    tiers = mps_tiers(load_ext=lambda: ext, mps_api=api or FakeMpsApi(emu), package_dir=pkg, probe_device="cpu", **kw)
+    return TierChain(device_type, [*tiers, ("foreach tier", backends.ForeachBackend)],
+                     lambda label, make: backends.load_tier(device_type, label, make))

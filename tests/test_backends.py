@@ -59,3 +59,63 @@ def test_tier_selection_explains_each_failure_once(monkeypatch):
     assert len(messages) == 2 and "first backend unavailable" in messages[0] and "no kernel here" in messages[0]
     info = backends.backend_info()["cpu"]
     assert info["backend"] == "foreach" and len(info["unavailable"]) == 2
+
+
+def _each_kernel():
+    from mps_fused_adam.backends.mps import KERNELS
+    return list(KERNELS)
+
+
+@pytest.mark.parametrize("make", [backends.CPUBackend, ForeachBackend, TorchFusedBackend],
+                         ids=["cpu", "foreach", "torch-fused"])
+def test_backends_declare_what_they_run(make):
+    """Each backend runs every kernel of the table (every rule, dtype pair, 8-bit, stochastic
+    rounding) and says why not for anything else; prepare() raises on what it does not run."""
+    from mps_fused_adam.backends import Kernel
+    backend = make()
+    assert [k for k in _each_kernel() if backend.unavailable(k) is not None] == []
+    backend.prepare(_each_kernel())
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert "no form of rule 'sgd'" in backend.unavailable(Kernel("sgd", f32, f32))
+    assert "bfloat16 params only" in backend.unavailable(Kernel("adam_sr", f32, f32))
+    assert "has no adam bfloat16/float16 kernel" in backend.unavailable(Kernel("adam", bf16, torch.float16))
+    assert "no kernel for torch.float64 params" in backend.unavailable(Kernel("adam", torch.float64, torch.float64))
+    with pytest.raises(RuntimeError, match=r"does not run adam8bit float32/float32"):
+        backend.prepare([Kernel("adam", f32, f32), Kernel("adam8bit", f32, f32)])
+
+
+@pytest.mark.parametrize("make", [backends.CPUBackend, ForeachBackend], ids=["cpu", "foreach"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lowbit_rules_through_the_common_update_match_the_references(make, dtype):
+    """``update("adam8bit", ...)`` and ``update("adam_sr", ...)`` take the Metal tiers' arguments
+    on the CPU and foreach backends too, bit for bit the references."""
+    from mps_fused_adam.numerics import lowbit
+    from mps_fused_adam.numerics.reference_lowbit import reference_adam8bit_, reference_adam_sr_
+    gen = torch.Generator().manual_seed(11)
+    n = 1000
+    p0 = torch.randn(n, generator=gen).to(dtype)
+    ours, ref = p0.clone(), p0.clone()
+    nb = lowbit.num_blocks(n)
+    def zero_states():
+        return [torch.full((n,), lowbit.SIGNED_ZERO_CODE, dtype=torch.uint8), torch.zeros(nb),
+                torch.full((n,), lowbit.UNSIGNED_ZERO_CODE, dtype=torch.uint8), torch.zeros(nb)]
+    so, sr_ = zero_states(), zero_states()
+    backend = make()
+    for step in (1, 2, 3):
+        g = torch.randn(n, generator=gen).to(dtype)
+        key = lowbit.sr_key(5, step) if dtype is torch.bfloat16 and step > 1 else None
+        hp = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.1, step)
+        backend.update("adam8bit", [ours], [g], [[so[0]], [so[2]], [so[1]], [so[3]], [lowbit.kernel_table(True)],
+                                                 [lowbit.kernel_table(False)]], lowbit.Adam8bitTensorHyper(hp, key))
+        reference_adam8bit_(ref, g, *sr_, hp, key)
+    assert torch.equal(ours.view(torch.uint8), ref.view(torch.uint8))
+    assert all(torch.equal(a, b) for a, b in zip(so, sr_))
+    if dtype is torch.bfloat16:
+        m, v = torch.zeros(n), torch.zeros(n)
+        mr, vr = m.clone(), v.clone()
+        for step in (1, 2):
+            g = torch.randn(n, generator=gen).to(dtype)
+            hp = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.1, step)
+            backend.update("adam_sr", [ours], [g], [[m], [v]], lowbit.AdamSRHyper(hp, lowbit.sr_key(9, step)))
+            reference_adam_sr_(ref, g, mr, vr, hp, lowbit.sr_key(9, step))
+        assert torch.equal(ours.view(torch.uint8), ref.view(torch.uint8)) and torch.equal(v, vr)

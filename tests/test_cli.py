@@ -433,13 +433,14 @@ def test_json_has_no_infinity_when_a_code_differs(monkeypatch, capsys):
     """An 8-bit kernel storing one wrong code is infinitely wrong; --json printed that as
     ``Infinity``, which JSON parsers other than Python's reject. It is null now."""
     from mps_fused_adam import __main__ as cli
-    from mps_fused_adam.optimizers import eight_bit as optim8bit
-    orig = optim8bit._cpu_adam8bit
+    from mps_fused_adam import backends
+    orig = backends.CPUBackend.update
 
-    def one_wrong_code(p, g, st, hp, key):
-        orig(p, g, st, hp, key)
-        st["exp_avg_codes"][3] ^= 1
-    monkeypatch.setattr(optim8bit, "_cpu_adam8bit", one_wrong_code)
+    def one_wrong_code(self, rule, params, grads, states, hp, sr_keys=None):
+        orig(self, rule, params, grads, states, hp, sr_keys)
+        if rule == "adam8bit":
+            states[0][0][3] ^= 1
+    monkeypatch.setattr(backends.CPUBackend, "update", one_wrong_code)
     assert cli.main(["--check", "--json"]) == 1
     report = _strict_json(capsys.readouterr().out)
     bad = [r for r in report["self_check"] if not r["passed"]]

@@ -9,10 +9,17 @@ import torch
 from mps_fused_adam import _cpu
 from mps_fused_adam.numerics import lowbit
 from mps_fused_adam.numerics.contract import AdamHyper
-from mps_fused_adam.optimizers.eight_bit import _cpu_adam8bit
+from mps_fused_adam.backends import get_backend
 from mps_fused_adam.numerics.reference_lowbit import reference_adam8bit_
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _cpu_adam8bit(p, g, st, hp, key):
+    """The CPU backend's 8-bit rule on one tensor (what the optimizers call)."""
+    get_backend("cpu").update("adam8bit", [p], [g], [[st[k]] for k in (
+        "exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_codes", "exp_avg_sq_absmax")], hp,
+        sr_keys=None if key is None else [key])
 
 
 def fresh_state(n):
@@ -206,7 +213,6 @@ def test_many_rejects_bad_entries_before_writing_anything():
 def test_optimizer_steps_its_cpu_8bit_tensors_in_one_call(monkeypatch):
     """AdamW8bit on CPU: one adam8bit_step_many call per step for all its contiguous 8-bit tensors,
     one backend call for the fp32-moment ones of a group, and the reference's numbers."""
-    from mps_fused_adam.optimizers import eight_bit as optim8bit
     import mps_fused_adam as mfa
     calls = []
 
@@ -215,7 +221,7 @@ def test_optimizer_steps_its_cpu_8bit_tensors_in_one_call(monkeypatch):
             fn = getattr(_cpu, name)
             return lambda *a, **k: (calls.append((name, len(a[0]) if name.endswith("_many") else 1)), fn(*a, **k))[1]
 
-    monkeypatch.setattr(optim8bit, "_cpu_ext", lambda: Counting())
+    monkeypatch.setattr(get_backend("cpu"), "_cpu", Counting())
     gen = torch.Generator().manual_seed(5)
     params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (300, 5000, 70000, 10, 20)]
     opt = mfa.AdamW8bit(params, lr=1e-2, min_8bit_size=256)
@@ -226,7 +232,7 @@ def test_optimizer_steps_its_cpu_8bit_tensors_in_one_call(monkeypatch):
             p.grad = g.clone()
         calls.clear()
         opt.step()
-        assert calls == [("adam8bit_step_many", 3)]
+        assert calls == [("adam8bit_step_many", 3), ("step", 1)]
         hp = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 1e-2, step)
         for r, g in zip(refs, grads):
             st = r[1]
@@ -243,8 +249,8 @@ def test_selfcheck_of_lowbit_rules_catches_a_wrong_kernel():
     step rounding to nearest instead misses the bits."""
     from mps_fused_adam.backends import CPUBackend
     from mps_fused_adam.numerics.reference_lowbit import reference_adam8bit_
-    from mps_fused_adam.tools.selfcheck import _cpu_lowbit, check_lowbit
-    good = list(check_lowbit(*_cpu_lowbit(CPUBackend()), "cpu", "_cpu", n=600))
+    from mps_fused_adam.tools.selfcheck import _lowbit, check_lowbit
+    good = list(check_lowbit(*_lowbit(CPUBackend()), "cpu", "_cpu", n=600))
     assert len(good) == 5 and all(r.passed and r.bit_exact for r in good)
 
     def off_8bit(p, g, st, hp, key):

@@ -1,8 +1,8 @@
 """The fast single-param steps of ``step_in_backward=True`` (the classes' ``_step_one``).
 
 From its second step each hooked param is stepped through a plan of its own, proved in C++
-(step_plan.py), instead of the full Python path; the 8-bit classes prove the common case with one
-expression (``eight_bit._plain_8bit_cpu``). These tests change, between steps, everything a
+(step_plan.py), instead of the full Python path; the 8-bit classes' plans hold their codes and
+block scales as any class's hold its states. These tests change, between steps, everything a
 plan records (a state tensor, the whole state, a state dict emptied, the param's storage, the
 learning rate) and require the result to be bit for bit the plain optimizer's under the same
 changes; and they check that the plans were used at all, so the comparison covers them.
@@ -63,22 +63,12 @@ CASES = [(mfa.AdamW, {}, torch.float32), (mfa.AdamW, {}, torch.bfloat16), (mfa.A
          (mfa.AdamW8bit, dict(min_8bit_size=64), torch.float32),
          (mfa.AdamW8bit, dict(min_8bit_size=64, bf16_stochastic_round=True), torch.bfloat16),
          (mfa.Adam8bit, dict(min_8bit_size=64, weight_decay=0.1), torch.bfloat16)]
-EIGHT_BIT = (mfa.AdamW8bit, mfa.Adam8bit)
 
 
 def run(cls, kw, dtype, on: bool, change) -> tuple[torch.optim.Optimizer, list]:
     model = make_model(dtype)
     torch.manual_seed(7)  # the stochastic-rounding seeds
     opt = cls(model.parameters(), lr=1e-2, step_in_backward=on, **kw)
-    if on and cls in EIGHT_BIT:  # count the params that took the full path
-        full = opt._step_params
-        opt.full_path_params = 0
-
-        def counted(selected):
-            selected = [(gi, group, list(pairs)) for gi, group, pairs in selected]
-            opt.full_path_params += sum(p.grad is not None for _, _, pairs in selected for _, p in pairs)
-            full(selected)
-        opt._step_params = counted
     target = model[2].weight
     gen = torch.Generator().manual_seed(3)
     for i in range(6):
@@ -108,24 +98,20 @@ def test_a_change_between_steps_gives_the_plain_result(cls, kw, dtype, change):
             assert torch.equal(bits(v), bits(sb[k])) if isinstance(v, torch.Tensor) else v == sb[k], k
     # The fast path served the steps after the first (and again after the change sent a param
     # back through the full path): otherwise this compared the full path with itself.
-    if cls in EIGHT_BIT:
-        # The first step's, and after the change the changed param's (every param's after a reload).
-        # bf16 params with fp32 moments and stochastic rounding always take it.
-        always = sum(1 for p in pg if p.numel() < 64) if kw.get("bf16_stochastic_round") else 0
-        assert got.full_path_params <= 2 * len(pg) + 6 * always
-    else:
-        plans = got.__dict__.get("_one_plans", {})
-        assert len(plans) == len(pg)
-        assert sum(entry[0].uses for entry in plans.values()) >= len(pg)
+    plans = got.__dict__.get("_one_plans", {})
+    assert len(plans) == len(pg)
+    assert sum(entry[0].uses for entry in plans.values()) >= len(pg)
 
 
-def test_stochastic_rounding_groups_are_not_planned():
-    """Their key changes every step, which a plan does not carry (as in step())."""
-    model = make_model(torch.bfloat16)
-    opt = mfa.AdamW(model.parameters(), bf16_stochastic_round=True, step_in_backward=True)
-    for _ in range(3):
-        model(torch.randn(4, 16).bfloat16()).float().pow(2).mean().backward()
-    assert not opt.__dict__.get("_one_plans")
+def test_stochastic_rounding_groups_are_planned_with_each_steps_key():
+    """A plan holds each param's state dict; every planned step makes its key from the param's
+    ``sr_seed`` and the step (as in step()), so the planned steps round as the plain step does."""
+    ref, pr = run(mfa.AdamW, dict(bf16_stochastic_round=True), torch.bfloat16, False, halve_lr)
+    got, pg = run(mfa.AdamW, dict(bf16_stochastic_round=True), torch.bfloat16, True, halve_lr)
+    for p, q in zip(pg, pr):
+        assert torch.equal(bits(p), bits(q)) and got.state[p]["sr_seed"] == ref.state[q]["sr_seed"]
+    plans = got.__dict__.get("_one_plans", {})
+    assert len(plans) == len(pg) and all(entry[0].uses >= 4 for entry in plans.values())
 
 
 def test_a_bad_grad_after_planned_steps_raises_naming_the_param():

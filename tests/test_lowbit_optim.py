@@ -293,10 +293,11 @@ def test_non_contiguous_param_and_via_cpu_path(monkeypatch):
     assert torch.equal(r.detach(), q.detach())
 
 
-def test_sr_group_takes_full_path_each_step_and_other_groups_keep_their_plan():
-    """Cached step plans (step_plan.py) carry no per-step stochastic-rounding key: a group with
-    ``bf16_stochastic_round`` is never planned and matches the reference on every step, while a
-    plain group of the same optimizer is planned and used from its second step."""
+def test_sr_group_is_planned_with_a_fresh_key_each_step():
+    """Cached step plans (step_plan.py) hold each param's state dict, from whose ``sr_seed`` every
+    planned step makes that step's key: a group with ``bf16_stochastic_round`` is planned like a
+    plain group of the same optimizer, used from its second step, and matches the reference with
+    the key of every step."""
     from mps_fused_adam.optimizers import step_plan
     from mps_fused_adam.numerics.reference import reference_adam_
     from mps_fused_adam.numerics.reference_lowbit import reference_adam_sr_
@@ -321,9 +322,9 @@ def test_sr_group_takes_full_path_each_step_and_other_groups_keep_their_plan():
         reference_adam_(pref[0], plain.grad, pref[1], pref[2], AdamHyper(1e-2, 0.9, 0.999, 1e-8, 1e-2, step,
                                                                          adam_w_mode=True))
         assert torch.equal(plain.detach(), pref[0])
-    assert 0 not in opt._plans
     if step_plan.native() is not None:
-        assert isinstance(opt._plans.get(1), step_plan.Plan) and opt._plans[1].uses == 4
+        for gi in (0, 1):
+            assert isinstance(opt._plans.get(gi), step_plan.Plan) and opt._plans[gi].uses == 4
 
 
 def test_stochastic_rounding_seeds_a_state_made_without_it():

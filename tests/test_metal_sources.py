@@ -334,7 +334,7 @@ def test_extension_uses_pytorchs_device_and_null_safe_image_names():
     nil without CoreGraphics; dyld image names may be NULL while images change."""
     code = re.sub(r"//[^\n]*", "", MM.read_text())
     assert "MTLCreateSystemDefaultDevice" not in code and "MTLCopyAllDevices" not in code
-    load = code[code.index("void load("):code.index("uint64_t field(")]
+    load = code[code.index("> load(const std::string& path"):code.index("uint64_t field(")]
     assert re.search(r"dispatch_sync\(g_torch\.get_dispatch_queue\(\),\s*\^\{\s*device = "
                      r"g_torch\.get_command_buffer\(\)\.device;\s*\}\);", load)
     assert load.index("device = g_torch.get_command_buffer()") < load.index("newLibraryWithURL")

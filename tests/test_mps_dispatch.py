@@ -17,7 +17,7 @@ import torch
 from conftest import choose_backend_afresh
 from emulated_mps import METAL_SOURCE, FakeMetalExt, FakeMpsApi, make_backend
 from mps_fused_adam import backends
-from mps_fused_adam.numerics.contract import RULES, AdamHyper, adam_scalars
+from mps_fused_adam.numerics.contract import AdamHyper, adam_scalars
 from mps_fused_adam.backends.mps import (KERNELS, MAX_THREADS_PER_DISPATCH, METALLIB_NAME, ShaderLibraryBackend, dispatch_plan, find_metal_source, mps_tiers, pack_params, params_as_words)
 from mps_fused_adam.numerics.reference import reference_adam_
 
@@ -257,22 +257,6 @@ def test_tier_that_loads_but_cannot_run_is_refused_by_its_probe(emu, pkg):
     backend.update("adam", [p], [g], [[m], [v]], AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.0, 1))
     reference_adam_(*want, AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.0, 1))
     assert torch.equal(p, want[0])
-
-
-def test_library_without_bfloat_kernels_is_refused(emu, pkg):
-    """A library compiled without Metal 3.1 (no bfloat kernels) must not be used half-working."""
-    src = pkg / "metal" / "fused_adam.metal"
-    src.write_text(src.read_text().replace("#if __METAL_VERSION__ >= 310\nFUSED_KERNELS_BFLOAT(",
-                                           "#if 0\nFUSED_KERNELS_BFLOAT("))
-    (pkg / METALLIB_NAME).unlink()
-    backend, msgs = _select(mps_tiers(load_ext=lambda: FakeMetalExt(emu), mps_api=FakeMpsApi(emu),
-                                      package_dir=pkg, probe_device="cpu"))
-    assert backend.name == "foreach"
-    # Every kernel of a bfloat param: each rule of contract.RULES and Adam with stochastic rounding
-    # (fp32 and bf16 states), 8-bit Adam.
-    missing = sorted([f"fused_{rule}_bfloat_{s}" for rule in [*RULES, "adam_sr"]
-                      for s in ("bfloat", "float")] + ["fused_adam8bit_bfloat_uchar"])
-    assert f"lacks kernels {missing}" in msgs[2]
 
 
 @pytest.mark.skipif(sys.platform == "darwin", reason="macOS wheels carry _metal and the metallib")

@@ -381,9 +381,9 @@ def test_load_state_dict_runs_torchs_hooks_in_torchs_order():
     assert results[mfa.AdamW][0] == ["pre", "post"] and results[mfa.AdamW][1][0] == (0.0, 1.0)
 
 
-# The classes of one step path (optimizers/fused.py), each with constructor options it keeps as attributes;
-# the 8-bit classes have their own tests (test_lowbit_optim.py).
+# The classes of the one step path (optimizers/fused.py), each with constructor options it keeps as attributes.
 DEEPCOPY_CASES = {
+    "AdamW8bit": lambda ps: mfa.AdamW8bit(ps, lr=1e-2, min_8bit_size=8, bf16_stochastic_round=True),
     "CPUAdam": lambda ps: mfa.CPUAdam(ps, lr=1e-2, fp32_optimizer_states=False),
     "FusedAdam": lambda ps: mfa.FusedAdam(ps, lr=1e-2, set_grad_none=False),
     "Lion": lambda ps: mfa.Lion(ps, lr=1e-3, weight_decay=0.1, decoupled_weight_decay=True),
@@ -395,10 +395,10 @@ DEEPCOPY_CASES = {
 
 def test_every_fused_optimizer_class_is_deep_copied():
     """Every public class of optimizers/fused.py's shared step path (a new rule's too) is in DEEPCOPY_CASES,
-    except Adam, which AdamW covers (same class body, another default)."""
+    except Adam and Adam8bit, which AdamW and AdamW8bit cover (same class body, another default)."""
     from mps_fused_adam.optimizers.fused import _FusedOptimizer
     fused = [n for n in public_optimizer_names() if issubclass(getattr(mfa, n), _FusedOptimizer)]
-    assert sorted([*DEEPCOPY_CASES, "Adam"]) == fused
+    assert sorted([*DEEPCOPY_CASES, "Adam", "Adam8bit"]) == fused
 
 
 @pytest.mark.parametrize("make", DEEPCOPY_CASES.values(), ids=DEEPCOPY_CASES.keys())

@@ -76,10 +76,12 @@ def print_environment(env: dict[str, Any]) -> None:
 
 def self_check(echo: bool) -> list[dict[str, Any]]:
     """Every available backend against the reference; printed line by line as it runs if ``echo``."""
-    from .tools.selfcheck import UPDATE_BOUND, CheckResult, all_checks
+    from .tools.selfcheck import UPDATE_BOUND, CheckResult, all_checks, tier_lines
     if echo:
         print("Self-check against the reference (on CPU: bit for bit; elsewhere within 8 eps x max|ref| "
               f"and {UPDATE_BOUND:g} of each tensor's movement):")
+        for line in tier_lines():  # every MPS tier, loaded or not, and the kernels it refuses
+            print(line)
     results = []
     checks = all_checks()
     while True:

@@ -140,32 +140,44 @@ bool attr_u64(PyObject* obj, Accessor& a, uint64_t* out) {
 
 uint64_t to_u64(nb::handle h) { return nb::cast<uint64_t>(h); }
 
+static std::vector<Ref> interned_names(nb::handle names) {
+  std::vector<Ref> keys;
+  for (nb::handle name : names) {
+    PyObject* key = name.ptr();
+    if (!PyUnicode_Check(key)) throw std::invalid_argument("GroupPlan: state names are strings");
+    Py_INCREF(key);
+    PyUnicode_InternInPlace(&key);
+    keys.push_back(Ref(key));
+    Py_DECREF(key);
+  }
+  return keys;
+}
+
 // One group's plan. Entries are in the order of the kernel calls they feed.
 class GroupPlan {
  public:
-  // params: the group's param list. state_names: the update rule's state keys (contract.RULES),
-  // in kernel order. active: tuples (index, param, dtype, shape, device, param address, state
-  // dict, state tensors, their addresses, step), the tensors and addresses as tuples in the order
-  // of state_names. idle: indices of the params the step skipped: those without a grad, and
-  // (index, True) for empty params without state, which are skipped whatever their grad.
+  // params: the group's param list. state_names: the state keys of the group's state format
+  // (contract.RULES' names of the rule, in kernel order). active: tuples (index, param, dtype,
+  // shape, device, param address, state dict, state tensors, their addresses, step[, names]), the
+  // tensors and addresses as tuples in the order of the entry's state names: `names` where the
+  // entry has an 11th field (a param of another state format: an 8-bit optimizer's small tensors
+  // keep fp32 moments), else state_names. Each state tensor keeps the dtype and shape it had when
+  // planned (the full validation proved them). idle: indices of the params the step skipped:
+  // those without a grad, and (index, True) for empty params without state, which are skipped
+  // whatever their grad.
   GroupPlan(nb::list params, nb::list state_names, nb::list active, nb::list idle) {
     size_ = PyList_GET_SIZE(params.ptr());
-    for (nb::handle name : state_names) {
-      PyObject* key = name.ptr();
-      if (!PyUnicode_Check(key)) throw std::invalid_argument("GroupPlan: state names are strings");
-      Py_INCREF(key);
-      PyUnicode_InternInPlace(&key);
-      keys_.push_back(Ref(key));
-      Py_DECREF(key);
-    }
-    const size_t k = keys_.size();
+    const std::vector<Ref> group_keys = interned_names(state_names);
     for (nb::handle t : active) {
       if (!nb::isinstance<nb::tuple>(t)) throw std::invalid_argument("GroupPlan: an active entry is a tuple");
       nb::tuple e = nb::borrow<nb::tuple>(t);
-      if (e.size() != 10) throw std::invalid_argument("GroupPlan: an active entry has 10 fields");
+      if (e.size() != 10 && e.size() != 11) throw std::invalid_argument("GroupPlan: an active entry has 10 or 11 fields");
       if (!nb::isinstance<nb::tuple>(e[7]) || !nb::isinstance<nb::tuple>(e[8]))
         throw std::invalid_argument("GroupPlan: an entry's state tensors and addresses are tuples");
       Entry x;
+      x.keys = e.size() == 11 ? interned_names(e[10]) : group_keys;
+      const size_t k = x.keys.size();
+      x.sbegin = states_.size();
       x.index = nb::cast<Py_ssize_t>(e[0]);
       x.p = Ref(e[1].ptr()); x.dtype = Ref(e[2].ptr()); x.shape = Ref(e[3].ptr()); x.device = Ref(e[4].ptr());
       x.pptr = to_u64(e[5]);
@@ -176,8 +188,9 @@ class GroupPlan {
       for (size_t j = 0; j < k; ++j) {
         states_.push_back(Ref(tensors[j].ptr()));
         state_addrs_.push_back(to_u64(addrs[j]));
+        state_dtypes_.push_back(Ref(nb::getattr(tensors[j], "dtype").ptr()));
+        state_shapes_.push_back(Ref(nb::getattr(tensors[j], "shape").ptr()));
       }
-      if (k > 0) x.sdtype = Ref(nb::getattr(tensors[0], "dtype").ptr());
       x.step = Ref(e[9].ptr());
       // The device test: a bool property where there is one (no torch.device object to build).
       std::string type = nb::cast<std::string>(nb::getattr(e[4], "type"));
@@ -225,20 +238,21 @@ class GroupPlan {
   }
 
   // Entry i's state: the same dict entries, the same tensors and, if `metadata` (the shim path
-  // reads it in shim_planned() instead), each still at its planned address with the planned dtype
-  // and the param's shape, contiguous (an in-place resize_, t_ or unsqueeze_ keeps the object and
-  // the address); and the planned step.
+  // reads it in shim_planned() instead), each still at its planned address with its planned dtype
+  // and shape, contiguous (an in-place resize_, t_ or unsqueeze_ keeps the object and the
+  // address); and the planned step.
   bool state_unchanged(size_t i, bool metadata) const {
-    const size_t k = keys_.size();
     const Entry& e = entries_[i];
+    const size_t k = e.keys.size();
     PyObject* st = e.st.get();
     Names& n = names();
     for (size_t j = 0; j < k; ++j) {
-      PyObject* t = PyDict_GetItemWithError(st, keys_[j].get());  // borrowed
-      if (t != states_[i * k + j].get()) { PyErr_Clear(); return false; }
+      const size_t s = e.sbegin + j;
+      PyObject* t = PyDict_GetItemWithError(st, e.keys[j].get());  // borrowed
+      if (t != states_[s].get()) { PyErr_Clear(); return false; }
       uint64_t addr = 0;
-      if (metadata && (!attr_u64(t, n.data_ptr, &addr) || addr != state_addrs_[i * k + j] ||
-                       !attr_is(t, n.dtype, e.sdtype.get()) || !attr_eq(t, n.shape, e.shape.get()) ||
+      if (metadata && (!attr_u64(t, n.data_ptr, &addr) || addr != state_addrs_[s] ||
+                       !attr_is(t, n.dtype, state_dtypes_[s].get()) || !attr_eq(t, n.shape, state_shapes_[s].get()) ||
                        !attr_is(t, n.is_contiguous, Py_True)))
         return false;
     }
@@ -314,48 +328,52 @@ class GroupPlan {
   bool uses_handles() const { return !handles_.empty(); }
 
  private:
-  struct Planned {  // a param's metadata when the plan was made, and its states' dtype
+  struct Planned {  // a tensor's metadata when the plan was made
     int32_t dtype, device_type, device_index;
     std::vector<int64_t> sizes;
-    int32_t state_dtype = -1;
   };
 
-  // Handles of every planned param and state tensor (param i at i * (k + 1), then its k states),
-  // and each param's metadata as planned. None where the shim is unavailable or anything fails:
-  // check() then reads the Python attributes.
+  static Planned planned_of(const TensorMeta& m) {
+    return Planned{m.dtype, m.device_type, m.device_index, std::vector<int64_t>(m.sizes, m.sizes + m.dim)};
+  }
+
+  // Handles of every planned param and state tensor (entry i's param at i + its sbegin, then its
+  // states), and each one's metadata as planned (params in planned_, states in planned_states_).
+  // None where the shim is unavailable or anything fails: check() then reads the Python attributes.
   void make_handles() {
     if (!TensorHandles::active() || entries_.empty()) return;
-    const size_t k = keys_.size();
     nb::list tensors;
     for (size_t i = 0; i < entries_.size(); ++i) {
       tensors.append(nb::borrow(entries_[i].p.get()));
-      for (size_t j = 0; j < k; ++j) tensors.append(nb::borrow(states_[i * k + j].get()));
+      for (size_t j = 0; j < entries_[i].keys.size(); ++j) tensors.append(nb::borrow(states_[entries_[i].sbegin + j].get()));
     }
     std::vector<void*> hs;
     if (!TensorHandles::alloc(tensors.ptr(), hs)) return;
     handles_ = std::move(hs);
-    if (handles_.size() != entries_.size() * (k + 1)) {  // one handle per tensor passed, or none used
+    if (handles_.size() != entries_.size() + states_.size()) {  // one handle per tensor passed, or none used
       drop_handles();
       return;
     }
     planned_.resize(entries_.size());
+    planned_states_.resize(states_.size());
     for (size_t i = 0; i < entries_.size(); ++i) {
+      const Entry& e = entries_[i];
       TensorMeta m;
-      if (!TensorHandles::meta(handles_[i * (k + 1)], &m) || m.data != reinterpret_cast<void*>(entries_[i].pptr) ||
+      if (!TensorHandles::meta(handles_[i + e.sbegin], &m) || m.data != reinterpret_cast<void*>(e.pptr) ||
           !m.contiguous) {
         drop_handles();
         return;
       }
-      planned_[i] = Planned{m.dtype, m.device_type, m.device_index, std::vector<int64_t>(m.sizes, m.sizes + m.dim)};
-      for (size_t j = 0; j < k; ++j) {
+      planned_[i] = planned_of(m);
+      for (size_t j = 0; j < e.keys.size(); ++j) {
         TensorMeta sm;
-        if (!TensorHandles::meta(handles_[i * (k + 1) + 1 + j], &sm) ||
-            sm.data != reinterpret_cast<void*>(state_addrs_[i * k + j]) || !sm.contiguous ||
-            (j > 0 && sm.dtype != planned_[i].state_dtype) || !same_as_planned(sm, planned_[i], sm.dtype)) {
+        if (!TensorHandles::meta(handles_[i + e.sbegin + 1 + j], &sm) ||
+            sm.data != reinterpret_cast<void*>(state_addrs_[e.sbegin + j]) || !sm.contiguous ||
+            sm.device_type != m.device_type || sm.device_index != m.device_index) {
           drop_handles();
           return;
         }
-        planned_[i].state_dtype = sm.dtype;
+        planned_states_[e.sbegin + j] = planned_of(sm);
       }
     }
   }
@@ -364,11 +382,12 @@ class GroupPlan {
     for (void* h : handles_) TensorHandles::release(h);
     handles_.clear();
     planned_.clear();
+    planned_states_.clear();
   }
 
-  // The planned param's device and sizes, and `dtype` (the param's by default; a state's dtype).
-  static bool same_as_planned(const TensorMeta& m, const Planned& p, int32_t dtype = -2) {
-    if (m.dtype != (dtype == -2 ? p.dtype : dtype) || m.device_type != p.device_type || m.device_index != p.device_index ||
+  // The planned tensor's dtype, device and sizes.
+  static bool same_as_planned(const TensorMeta& m, const Planned& p) {
+    if (m.dtype != p.dtype || m.device_type != p.device_type || m.device_index != p.device_index ||
         m.dim != int64_t(p.sizes.size()))
       return false;
     for (int64_t d = 0; d < m.dim; ++d)
@@ -442,17 +461,17 @@ class GroupPlan {
   // validation looked at may have changed (.data assignment, resize_, t_: address, dtype, device,
   // sizes, contiguity).
   bool shim_planned(size_t begin, size_t end) const {
-    const size_t k = keys_.size();
     for (size_t i = begin; i < end; ++i) {
+      const Entry& e = entries_[i];
       TensorMeta m;
-      if (!TensorHandles::meta(handles_[i * (k + 1)], &m) || m.data != reinterpret_cast<void*>(entries_[i].pptr) ||
+      if (!TensorHandles::meta(handles_[i + e.sbegin], &m) || m.data != reinterpret_cast<void*>(e.pptr) ||
           !m.contiguous || !same_as_planned(m, planned_[i]))
         return false;
-      for (size_t j = 0; j < k; ++j) {
+      for (size_t j = 0; j < e.keys.size(); ++j) {
+        const size_t s = e.sbegin + j;
         TensorMeta sm;  // an in-place resize_, t_ or unsqueeze_ keeps the object and the address
-        if (!TensorHandles::meta(handles_[i * (k + 1) + 1 + j], &sm) ||
-            reinterpret_cast<uintptr_t>(sm.data) != state_addrs_[i * k + j] || !sm.contiguous ||
-            !same_as_planned(sm, planned_[i], planned_[i].state_dtype))
+        if (!TensorHandles::meta(handles_[i + s + 1], &sm) || reinterpret_cast<uintptr_t>(sm.data) != state_addrs_[s] ||
+            !sm.contiguous || !same_as_planned(sm, planned_states_[s]))
           return false;
       }
     }
@@ -514,19 +533,21 @@ class GroupPlan {
 
   std::vector<void*> handles_;
   std::vector<Planned> planned_;
+  std::vector<Planned> planned_states_;  // as states_
 
   struct Entry {
     Py_ssize_t index = 0;
     Ref p, dtype, shape, device, st, step;
-    Ref sdtype;  // the state tensors' dtype (one for all of an entry's states, as validation requires)
+    std::vector<Ref> keys;  // its state names
+    size_t sbegin = 0;      // its state tensors are states_[sbegin, sbegin + keys.size())
     Accessor* on = nullptr;  // is_cpu or is_mps, or null: compare devices
     uint64_t pptr = 0;
   };
   Py_ssize_t size_ = 0;
-  std::vector<Ref> keys_;             // the rule's state names
   std::vector<Entry> entries_;
-  std::vector<Ref> states_;           // entry i's state tensors at [i * keys_.size(), ...)
-  std::vector<uint64_t> state_addrs_;  // and their addresses
+  std::vector<Ref> states_;           // every entry's state tensors, entry by entry
+  std::vector<uint64_t> state_addrs_;  // their addresses
+  std::vector<Ref> state_dtypes_, state_shapes_;  // and their dtypes and shapes as planned
   struct Idle {
     Py_ssize_t index;
     Ref p;

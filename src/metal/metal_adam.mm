@@ -1,6 +1,8 @@
 // The `_metal` extension: runs fused_adam.metallib's kernels on PyTorch's MPS stream, knowing
-// nothing of any update rule. load(metallib_path, kernel_names) loads the library and the named
-// kernels' pipelines once. step(kernel_name, tensors, scalars) encodes a group into one compute
+// nothing of any update rule. load(metallib_path, kernel_names) loads the library and builds each
+// named kernel's pipeline once, and returns {name: Metal's error} for those that failed (a device
+// without bfloat fails only the bfloat kernels; the caller runs those elsewhere).
+// step(kernel_name, tensors, scalars) encodes a group into one compute
 // encoder on PyTorch's command buffer, on PyTorch's queue, without waiting for the GPU: tensors =
 // [params, grads, state lists...], each tensor a (MTLBuffer handle, byte offset, numel) triple;
 // list k binds to buffer k, then the scalar blob (the rule's struct), base and n. Stream: torch's
@@ -13,12 +15,14 @@
 #include <dlfcn.h>
 #include <mach-o/dyld.h>
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -53,14 +57,19 @@ struct TensorRef {
 std::mutex g_load_mutex;
 bool g_loaded = false;
 std::unordered_map<std::string, id<MTLComputePipelineState>> g_pipelines;  // by host name
+std::map<std::string, std::string> g_failed;  // host name -> why its pipeline was not built
 
-[[noreturn]] void fail(const std::string& what, NSError* error) {
+std::string describe(const std::string& what, NSError* error) {
   std::string msg = "mps_fused_adam._metal: " + what;
   if (error != nil) {
     msg += ": ";
     msg += error.localizedDescription.UTF8String;
   }
-  throw std::runtime_error(msg);
+  return msg;
+}
+
+[[noreturn]] void fail(const std::string& what, NSError* error) {
+  throw std::runtime_error(describe(what, error));
 }
 
 template <typename Fn>
@@ -86,10 +95,10 @@ void* loaded_libtorch() {
   return nullptr;
 }
 
-void load(const std::string& path, const std::vector<std::string>& kernel_names) {
+std::map<std::string, std::string> load(const std::string& path, const std::vector<std::string>& kernel_names) {
   std::lock_guard<std::mutex> lock(g_load_mutex);
   if (g_loaded) {
-    return;
+    return g_failed;
   }
   void* libtorch = loaded_libtorch();
   if (libtorch == nullptr) {
@@ -111,19 +120,24 @@ void load(const std::string& path, const std::vector<std::string>& kernel_names)
     if (library == nil) {
       fail("cannot load " + path, error);
     }
+    // One kernel at a time: a pipeline that fails costs that kernel only.
     for (const std::string& name : kernel_names) {
       id<MTLFunction> fn = [library newFunctionWithName:[NSString stringWithUTF8String:name.c_str()]];
       if (fn == nil) {
-        fail(path + " has no kernel " + name, nil);
+        g_failed[name] = describe(path + " has no kernel " + name, nil);
+        continue;
       }
+      error = nil;
       id<MTLComputePipelineState> pso = [device newComputePipelineStateWithFunction:fn error:&error];
       if (pso == nil) {
-        fail("cannot build the pipeline of " + name, error);
+        g_failed[name] = describe("cannot build the pipeline of " + name, error);
+        continue;
       }
       g_pipelines[name] = pso;
     }
     g_loaded = true;
   }
+  return g_failed;
 }
 
 // Field k of the (handle, byte offset, numel) tuple at list[i], read with borrowed references.

@@ -7,6 +7,15 @@ length; all tensors are on one device, contiguous and non-empty; params and grad
 dtype, the states share one (possibly different) state dtype; all share one hyperparameter
 object of the rule. A backend never fails on such input, so a step that passed validation
 cannot leave tensors half-updated.
+
+The low-bit forms of Adam are rules of the same call, with ``sr_keys`` (one ``lowbit.sr_key``
+per param: bf16 params stored by stochastic rounding) and the plain ``AdamHyper``: ``"adam_sr"``
+(Adam's states, bf16 params) and ``"adam8bit"`` (``lowbit.ADAM8BIT``: states ``[exp_avg_codes,
+exp_avg_absmax, exp_avg_sq_codes, exp_avg_sq_absmax]``, codes of the param's shape and one fp32
+scale per block; ``sr_keys`` optional). Every backend runs both (the foreach tier through the
+Python reference). The Metal tiers' own per-tensor form of them (``AdamSRHyper``/
+``Adam8bitTensorHyper``, one key per call, ADAM8BIT's six buffers: ``mps.kernel_calls``) is
+taken too (:func:`lowbit_args`).
 """
 from __future__ import annotations
 
@@ -14,26 +23,16 @@ import math
 import os
 import threading
 import warnings
-from typing import Any, Callable, Iterable, NamedTuple, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
 
 import torch
 
 from ..numerics.contract import AdagradHyper, AdamHyper, LionHyper, adagrad_scalars, adam_scalars, lion_scalars
 from ..numerics.contract import rule as rule_spec
 from .addressing import Addressed, addresses, numels  # noqa: F401  (re-exported: the backends' shared input)
+from .kernel import Kernel, describe  # noqa: F401  (re-exported: the key of the Backend protocol)
 
 TensorList = Sequence[torch.Tensor]
-
-
-class Kernel(NamedTuple):
-    """What one bucket of a step asks of a backend: a rule of the one rule table, the params'
-    (and grads') dtype and the states' storage dtype (``torch.uint8`` for 8-bit codes).
-
-    A backend runs a set of kernels; ``Backend.unavailable`` says whether it runs this one and,
-    when not, why (for ``backend_info()`` and for routing the bucket to the next tier)."""
-    rule: str
-    param_dtype: torch.dtype
-    state_dtype: torch.dtype
 
 
 class Backend(Protocol):
@@ -55,7 +54,37 @@ class Backend(Protocol):
     def prepare(self, kernels: Iterable[Kernel]) -> None: ...
 
     def update(self, rule: str, params: TensorList, grads: TensorList, states: Sequence[TensorList],
-               hp: Any) -> None: ...
+               hp: Any, sr_keys: Optional[Sequence[int]] = None) -> None: ...
+
+
+def lowbit_args(rule: str, states: Sequence[TensorList], hp: Any, sr_keys: Optional[Sequence[int]], n: int
+                ) -> tuple[Sequence[TensorList], Any, Optional[Sequence[int]]]:
+    """A low-bit call's ``(states, AdamHyper, sr_keys)`` in the optimizers' form (module docstring),
+    from either form: the Metal tiers' per-tensor one (one key in the hyper; 8-bit: codes, codes,
+    scales, scales, maps) or the optimizers' own."""
+    adam = getattr(hp, "adam", None)
+    if adam is None:
+        return states, hp, sr_keys
+    key = hp.sr_key
+    if rule == "adam8bit":
+        codes1, codes2, absmax1, absmax2 = states[:4]
+        states = [codes1, absmax1, codes2, absmax2]
+    return states, adam, None if key is None else [key] * n
+
+
+def _reference_lowbit(rule: str, params: TensorList, grads: TensorList, states: Sequence[TensorList], hp: Any,
+                      sr_keys: Optional[Sequence[int]] = None) -> None:
+    """The low-bit rules one tensor at a time through their Python reference (a correct, not a
+    fast, path: the tier of devices without a kernel of ours)."""
+    from ..numerics.reference_lowbit import reference_adam8bit_, reference_adam_sr_
+    states, hp, sr_keys = lowbit_args(rule, states, hp, sr_keys, len(params))
+    keys = sr_keys if sr_keys is not None else [None] * len(params)
+    if rule == "adam8bit":
+        for p, g, c1, a1, c2, a2, key in zip(params, grads, *states, keys):
+            reference_adam8bit_(p, g, c1, a1, c2, a2, hp, key)
+    else:
+        for p, g, m, v, key in zip(params, grads, *states, keys):
+            reference_adam_sr_(p, g, m, v, hp, key)
 
 
 def _foreach_adam(params: TensorList, grads: TensorList, states: Sequence[TensorList], hp: AdamHyper) -> None:
@@ -136,13 +165,51 @@ class ForeachBackend:
     """
 
     name = "foreach"
-    RULES: dict[str, Callable[..., None]] = {"adam": _foreach_adam, "lion": _foreach_lion, "adagrad": _foreach_adagrad}
+    RULES: dict[str, Callable[..., None]] = {"adam": _foreach_adam, "lion": _foreach_lion, "adagrad": _foreach_adagrad,
+                                             "adam_sr": _reference_lowbit, "adam8bit": _reference_lowbit}
 
-    def update(self, rule: str, params, grads, states, hp) -> None:
+    def unavailable(self, kernel: Kernel) -> Optional[str]:
+        """Every rule of the table on the storage dtypes the kernels have: the foreach tier is the
+        last one, so it runs what any other does (the low-bit rules through their references)."""
+        return _standard_kernel(kernel, self.RULES, "the foreach tier")
+
+    def prepare(self, kernels: Iterable[Kernel]) -> None:
+        """Nothing to build; a kernel it does not run raises here, before anything is updated."""
+        _require(self, kernels)
+
+    def update(self, rule: str, params, grads, states, hp, sr_keys=None) -> None:
+        if rule in _LOWBIT_RULES or sr_keys is not None:
+            return _reference_lowbit(rule, params, grads, states, hp, sr_keys)
         fn = self.RULES.get(rule)
         if fn is None:
             raise NotImplementedError(f"the foreach tier has no form of rule {rule!r}")
         fn(params, grads, states, hp)
+
+
+_LOWBIT_RULES = ("adam_sr", "adam8bit")
+_LOWBIT_STATE = {"adam8bit": (torch.uint8,)}  # rules whose states are not fp32 or the param dtype
+_BF16_ONLY = ("adam_sr",)  # rules of bf16 params only
+
+
+def _standard_kernel(kernel: Kernel, rules: Iterable[str], who: str) -> Optional[str]:
+    """Why ``who`` (a backend with a form of each rule of ``rules`` for every param dtype of
+    SUPPORTED_DTYPES with fp32 or same-dtype states) does not run ``kernel``, or None."""
+    rule, p, s = kernel
+    if rule not in rules:
+        return f"{who} has no form of rule {rule!r}"
+    if p not in SUPPORTED_DTYPES:
+        return f"{who} has no kernel for {p} params"
+    if rule in _BF16_ONLY and p is not torch.bfloat16:
+        return f"rule {rule!r} is for bfloat16 params only"
+    if s not in _LOWBIT_STATE.get(rule, (torch.float32, p)):
+        return f"{who} has no {describe(kernel)} kernel (states: float32 or the param dtype)"
+    return None
+
+
+def _require(backend: Any, kernels: Iterable[Kernel]) -> None:
+    refused = [f"{describe(Kernel(*k))}: {why}" for k in kernels if (why := backend.unavailable(Kernel(*k)))]
+    if refused:
+        raise RuntimeError(f"the {backend.name} backend does not run " + "; ".join(refused))
 
 
 # Every SIMD path the C++ kernel can be built with (src/cpu/dispatch.cpp), best first; which of
@@ -158,6 +225,12 @@ class CPUBackend:
     def __init__(self) -> None:
         from .. import _cpu  # noqa: F401  (ImportError tells the caller why this tier is out)
         self._cpu = _cpu
+        rules = set(_cpu.rules())
+        if "adam" in rules:
+            rules.add("adam_sr")
+        if hasattr(_cpu, "adam8bit_step_many"):
+            rules.add("adam8bit")
+        self._rules = frozenset(rules)
         self.simd = _cpu.simd_path()
         wanted = os.environ.get("MPS_FUSED_ADAM_SIMD")
         if wanted and wanted != self.simd:
@@ -177,14 +250,42 @@ class CPUBackend:
                           f"'own'); using the default, torch's OpenMP threads where they can be borrowed "
                           f"(_cpu.thread_pool() says which pool runs)", RuntimeWarning)
 
+    def unavailable(self, kernel: Kernel) -> Optional[str]:
+        """The rules this build of ``_cpu`` has (``_cpu.rules()``), on fp32, fp16 and bf16 params with
+        fp32 or same-dtype states; ``adam_sr`` as its Adam rule's bf16 stochastic-rounding store
+        (``sr_keys``), ``adam8bit`` through ``_cpu.adam8bit_step_many``."""
+        return _standard_kernel(kernel, self._rules, "the _cpu extension")
+
+    def prepare(self, kernels: Iterable[Kernel]) -> None:
+        """Nothing to build (the kernels are compiled in); a kernel it does not run raises here."""
+        _require(self, kernels)
+
     def update(self, rule: str, params, grads, states, hp, sr_keys=None) -> None:
         """``sr_keys``: for bf16 params, one ``lowbit.sr_key`` per param to store them by
-        stochastic rounding (lowbit.py's contract); None rounds to nearest even."""
+        stochastic rounding (lowbit.py's contract); None rounds to nearest even. The low-bit
+        rules as the module docstring says, in one call for all the tensors."""
+        if rule in _LOWBIT_RULES:
+            states, hp, sr_keys = lowbit_args(rule, states, hp, sr_keys, len(params))
+            if rule == "adam8bit":
+                return self._adam8bit(params, grads, states, hp, sr_keys)
+            rule = "adam"
         self._cpu.step(
             rule, addresses(params), addresses(grads), [addresses(lst) for lst in states], numels(params),
             _DTYPE_CODES[params[0].dtype], _DTYPE_CODES[states[0][0].dtype],
             packed_scalars(rule, hp), torch.get_num_threads(), sr_keys,
         )
+
+    def _adam8bit(self, params, grads, states, hp, sr_keys) -> None:
+        """One ``adam8bit_step_many`` call: the tensors' blocks are shared among the threads as one range."""
+        from ..numerics import lowbit
+        n = len(params)
+        codes1, absmax1, codes2, absmax2 = states
+        self._cpu.adam8bit_step_many(
+            addresses(params), addresses(grads), addresses(codes1), addresses(absmax1), addresses(codes2),
+            addresses(absmax2), numels(params), [_DTYPE_CODES[params[0].dtype]] * n,
+            lowbit.kernel_table(True).data_ptr(), lowbit.kernel_table(False).data_ptr(),
+            [packed_scalars("adam8bit", hp)] * n, [0] * n if sr_keys is None else list(sr_keys),
+            [int(sr_keys is not None)] * n, torch.get_num_threads())
 
 
 _PACKED: dict[tuple, tuple[Any, bytes]] = {}
@@ -196,8 +297,9 @@ def packed_scalars(rule: str, hp: Any) -> bytes:
     packs the same hyperparameters once per param, and packing costs about 5 us. The key holds the
     sign of every zero field besides ``hp`` (whose equality takes -0.0 for 0.0, which the kernels
     may not); an entry counts only for the very rule object that packed it, so a rule replaced in
-    ``contract.RULES`` (as the self-check's tests do) is packed afresh."""
-    spec = rule_spec(rule)
+    ``contract.RULES`` (as the self-check's tests do) is packed afresh. Rule ``"adam8bit"``: the
+    8-bit kernels' scalars of ``AdamHyper`` ``hp`` (``lowbit.pack_adam8bit``)."""
+    spec = _ADAM8BIT_PACKER if rule == "adam8bit" else rule_spec(rule)
     try:
         key = (rule, hp, tuple(math.copysign(1.0, v) for v in vars(hp).values() if v == 0))
         packer, packed = _PACKED[key]
@@ -214,6 +316,16 @@ def packed_scalars(rule: str, hp: Any) -> bytes:
     return packed
 
 
+class _Adam8bitPacker:
+    @staticmethod
+    def pack(hp: Any) -> bytes:
+        from ..numerics.lowbit import pack_adam8bit
+        return pack_adam8bit(hp)
+
+
+_ADAM8BIT_PACKER = _Adam8bitPacker()
+
+
 class TorchFusedBackend:
     """Devices we ship no kernel for (CUDA, XPU): torch's fused Adam where it keeps the contract.
 
@@ -227,9 +339,16 @@ class TorchFusedBackend:
     def __init__(self) -> None:
         self._fallback = ForeachBackend()
 
-    def update(self, rule: str, params, grads, states, hp) -> None:
-        if rule != "adam" or states[0][0].dtype != params[0].dtype:
-            return self._fallback.update(rule, params, grads, states, hp)
+    def unavailable(self, kernel: Kernel) -> Optional[str]:
+        """What the foreach tier runs: torch's fused Adam where it keeps the contract, foreach for the rest."""
+        return self._fallback.unavailable(kernel)
+
+    def prepare(self, kernels: Iterable[Kernel]) -> None:
+        _require(self, kernels)
+
+    def update(self, rule: str, params, grads, states, hp, sr_keys=None) -> None:
+        if rule != "adam" or sr_keys is not None or states[0][0].dtype != params[0].dtype:
+            return self._fallback.update(rule, params, grads, states, hp, sr_keys)
         exp_avgs, exp_avg_sqs = states
         fused = torch._fused_adamw_ if hp.adam_w_mode else torch._fused_adam_
         steps = [torch.tensor(float(hp.step), device=params[0].device)] * len(params)
@@ -243,16 +362,17 @@ class TorchFusedBackend:
 
 
 def update_staged(backend: Backend, rule: str, params: TensorList, grads: TensorList,
-                  states: Sequence[TensorList], hp: Any) -> None:
+                  states: Sequence[TensorList], hp: Any, sr_keys: Optional[Sequence[int]] = None) -> None:
     """``backend.update`` for tensors that need not be contiguous: non-contiguous ones go through
     contiguous copies that are written back, so their update is never lost (DeepSpeed's CPU Adam
     silently loses it)."""
+    extra = {} if sr_keys is None else {"sr_keys": sr_keys}
     lists = (params, grads, *states)
     if all(t.is_contiguous() for tensors in lists for t in tensors):
-        backend.update(rule, params, grads, states, hp)
+        backend.update(rule, params, grads, states, hp, **extra)
         return
     staged = [[t.contiguous() for t in tensors] for tensors in lists]
-    backend.update(rule, staged[0], staged[1], staged[2:], hp)
+    backend.update(rule, staged[0], staged[1], staged[2:], hp, **extra)
     written = [(params, staged[0])] + list(zip(states, staged[2:]))
     for originals, copies in written:
         for orig, copy in zip(originals, copies):
@@ -268,15 +388,24 @@ _chosen: dict[str, Backend] = {}
 _reasons: dict[str, list[str]] = {}
 
 
+def load_tier(device_type: str, label: str, make: Callable[[], Backend]) -> tuple[Optional[Backend], Optional[str]]:
+    """``(make(), None)``, or ``(None, why)`` once ``why`` is recorded for ``backend_info()`` and
+    warned: any load failure means say why once and use the next tier."""
+    try:
+        return make(), None
+    except Exception as exc:
+        msg = f"mps_fused_adam: {label} backend unavailable for {device_type} tensors: {exc!r}"
+        _reasons.setdefault(device_type, []).append(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=4)
+        return None, msg
+
+
 def _try(device_type: str, factories: Sequence[tuple[str, Callable[[], Backend]]]) -> Backend:
-    reasons = _reasons.setdefault(device_type, [])
+    _reasons.setdefault(device_type, [])
     for label, make in factories:
-        try:
-            return make()
-        except Exception as exc:  # any load failure means: say why once, use the next tier
-            msg = f"mps_fused_adam: {label} backend unavailable for {device_type} tensors: {exc!r}"
-            reasons.append(msg)
-            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        backend, _ = load_tier(device_type, label, make)
+        if backend is not None:
+            return backend
     return ForeachBackend()
 
 
@@ -291,6 +420,16 @@ def _tiers(device_type: str) -> list[tuple[str, Callable[[], Backend]]]:
     return []
 
 
+def _choose(device_type: str) -> Backend:
+    """One backend for CPU and CUDA/XPU; for MPS the chain of its tiers, kernel by kernel (chain.py)."""
+    if device_type != "mps":
+        return _try(device_type, _tiers(device_type))
+    from .chain import TierChain
+    _reasons.setdefault(device_type, [])
+    return TierChain(device_type, [*_tiers(device_type), ("foreach tier", ForeachBackend)],
+                     lambda label, make: load_tier(device_type, label, make))
+
+
 def get_backend(device: torch.device | str) -> Backend:
     """The backend for tensors on ``device``, chosen on first use and kept for the process."""
     device_type = torch.device(device).type
@@ -299,16 +438,48 @@ def get_backend(device: torch.device | str) -> Backend:
         with _lock:
             backend = _chosen.get(device_type)
             if backend is None:
-                backend = _chosen[device_type] = _try(device_type, _tiers(device_type))
+                backend = _chosen[device_type] = _choose(device_type)
     return backend
+
+
+_FOREACH = ForeachBackend()
+
+
+def backend_for(device: torch.device | str, kernel: Kernel) -> Backend:
+    """The backend that runs ``kernel`` for tensors on ``device``: the device's (``get_backend``)
+    where it runs the kernel (``unavailable``), else the foreach tier, which runs every rule."""
+    backend = get_backend(device)
+    unavailable = getattr(backend, "unavailable", None)
+    if unavailable is None or unavailable(kernel) is None:
+        return backend
+    return _FOREACH
+
+
+def prepare(kernels_by_device: dict[torch.device, set]) -> None:
+    """``prepare`` each device's backend with the kernels a step is about to run, before any update
+    (a step is all or nothing). A device whose backend routes kernels to its tiers (``TierChain``,
+    MPS) is handed them all; another the ones it runs (the rest run on the foreach tier, which
+    has nothing to prepare)."""
+    for device, kernels in kernels_by_device.items():
+        backend = get_backend(device)
+        prep = getattr(backend, "prepare", None)
+        if prep is None:
+            continue
+        if hasattr(backend, "tier_of"):
+            prep(list(kernels))
+        else:
+            prep([k for k in kernels if backend.unavailable(k) is None])
 
 
 def backend_info() -> dict[str, dict[str, object]]:
     """What is active per device type tried so far (CPU always; MPS when available), and why not the rest.
 
-    Each entry: ``backend`` (its name), ``unavailable`` (why each preferred tier did not load), and
-    where they apply ``simd`` (the CPU kernel's SIMD path) and ``fast_math`` (MPS: what torch's
-    ``PYTORCH_MPS_FAST_MATH`` changes for the active Metal tier)."""
+    Each entry: ``backend`` (its name; on MPS the first tier that loaded), ``unavailable`` (why each
+    preferred tier did not load), and where they apply ``simd`` (the CPU kernel's SIMD path) and
+    ``fast_math`` (MPS: what torch's ``PYTORCH_MPS_FAST_MATH`` changes for the active Metal tier).
+    On MPS also ``tiers`` (per tier: label, name, state, reason, the kernels it does not run and
+    why), ``kernels_unavailable`` (tier label -> kernel -> why, for tiers that refuse any) and
+    ``routes`` (kernel -> the tier that runs it, for the kernels used so far)."""
     get_backend("cpu")
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         get_backend("mps")
@@ -317,6 +488,12 @@ def backend_info() -> dict[str, dict[str, object]]:
         entry: dict[str, object] = {"backend": backend.name, "unavailable": list(_reasons.get(device_type, []))}
         if hasattr(backend, "simd"):
             entry["simd"] = backend.simd
+        if hasattr(backend, "tiers_info"):
+            tiers = backend.tiers_info()
+            entry["tiers"] = tiers
+            entry["kernels_unavailable"] = {t["tier"]: t["kernels_unavailable"] for t in tiers
+                                            if t["kernels_unavailable"]}
+            entry["routes"] = backend.routes()
         if device_type == "mps":
             from .mps import fast_math_note
             note = fast_math_note(backend.name)

@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import os
 import struct
+from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
 from .addressing import addresses, numels
+from .kernel import Kernel, describe
 from ..numerics.contract import RULES, AdamHyper, rule as rule_spec
-from ..numerics.lowbit import ADAM8BIT, ADAM_SR
+from ..numerics.lowbit import ADAM8BIT, ADAM_SR, Adam8bitTensorHyper, AdamSRHyper, kernel_table
 
 ELEMS_PER_THREAD = 4
 # 2^30 threads cover 2^32 elements: thread_position_in_grid is a 32-bit uint, and keeping each
@@ -64,13 +66,16 @@ METAL_RULES = {**RULES, ADAM_SR.name: ADAM_SR, ADAM8BIT.name: ADAM8BIT}
 # (rule, param dtype, state dtype) -> kernel host name; states are fp32 or the param dtype
 # (8-bit Adam: uint8 codes, any param dtype).
 KERNELS = {
-    (r, p, s): f"fused_{r}_{_DTYPE_NAMES[p]}_{_DTYPE_NAMES[s]}"
+    Kernel(r, p, s): f"fused_{r}_{_DTYPE_NAMES[p]}_{_DTYPE_NAMES[s]}"
     for r in RULES for p in _DTYPE_NAMES for s in (torch.float32, p)
 }
-KERNELS.update({(ADAM_SR.name, torch.bfloat16, s): f"fused_{ADAM_SR.name}_bfloat_{_DTYPE_NAMES[s]}"
+KERNELS.update({Kernel(ADAM_SR.name, torch.bfloat16, s): f"fused_{ADAM_SR.name}_bfloat_{_DTYPE_NAMES[s]}"
                 for s in (torch.float32, torch.bfloat16)})
-KERNELS.update({(ADAM8BIT.name, p, torch.uint8): f"fused_{ADAM8BIT.name}_{_DTYPE_NAMES[p]}_uchar"
+KERNELS.update({Kernel(ADAM8BIT.name, p, torch.uint8): f"fused_{ADAM8BIT.name}_{_DTYPE_NAMES[p]}_uchar"
                 for p in _DTYPE_NAMES})
+_BY_NAME = {name: k for k, name in KERNELS.items()}
+# The kernel every tier must run to be used at all: its first-use probe is this kernel's.
+BASE_KERNEL = Kernel("adam", torch.float32, torch.float32)
 
 
 # torch compiles tier 3's source with fast math when this is set to a non-zero value (torch 2.13:
@@ -97,6 +102,25 @@ def fast_math_note(backend_name: str, environ: Mapping[str, str] = os.environ) -
             "(metal::precise::), but NaN/Inf handling and fp32 subnormals may differ from the "
             "contract; on macOS 14 (Metal 3.1) whether contraction stays off is not established "
             "(untested on Apple hardware). Unset it for the contract's results.")
+
+
+def kernel_calls(rule: str, params, grads, states, hp, sr_keys=None):
+    """The Metal kernel calls ``(rule, params, grads, states, hyper)`` of one backend call: itself
+    (a call in the kernels' own form included: ``AdamSRHyper``/``Adam8bitTensorHyper``), or, for
+    the low-bit rules in the optimizers' form (``backends``' docstring), one call per tensor (the key
+    is per tensor) in the kernels' buffer order (codes, codes, scales, scales, then the two maps)."""
+    if hasattr(hp, "adam"):
+        yield rule, params, grads, states, hp
+    elif rule == ADAM8BIT.name:
+        for i, (p, g, c1, a1, c2, a2) in enumerate(zip(params, grads, *states)):
+            maps = [[kernel_table(True, p.device)], [kernel_table(False, p.device)]]
+            yield (rule, [p], [g], [[c1], [c2], [a1], [a2], *maps],
+                   Adam8bitTensorHyper(hp, None if sr_keys is None else sr_keys[i]))
+    elif rule == ADAM_SR.name or sr_keys is not None:
+        for p, g, m, v, key in zip(params, grads, *states, sr_keys):
+            yield ADAM_SR.name, [p], [g], [[m], [v]], AdamSRHyper(hp, key)
+    else:
+        yield rule, params, grads, states, hp
 
 
 def kernel_name(rule: str, param_dtype: torch.dtype, state_dtype: torch.dtype) -> str:
@@ -182,21 +206,74 @@ def missing_metallib(path: Path) -> FileNotFoundError:
         "and reinstall)")
 
 
-class MetalExtBackend:
+class _PerKernel:
+    """What tiers 1 to 3 share: each kernel is available on its own. One whose pipeline did not
+    build, or whose probe (:func:`probe_kernel`, run by :meth:`prepare` before the kernel's first
+    real dispatch) failed, is refused with the reason; the others run."""
+
+    name: str
+    probe_device: str | torch.device = "mps"
+
+    def _init_kernels(self, refused: Mapping[Kernel, str], probe_device: str | torch.device) -> None:
+        self._refused: dict[Kernel, str] = dict(refused)
+        self._probed: set[Kernel] = set()
+        self.probe_device = probe_device
+
+    def unavailable(self, kernel: Kernel) -> Optional[str]:
+        kernel = Kernel(*kernel)
+        if kernel not in KERNELS:
+            return f"the Metal kernels have no {describe(kernel)} form"
+        return self._refused.get(kernel)
+
+    def _build(self, kernel: Kernel) -> Optional[str]:
+        """Why ``kernel``'s pipeline cannot be had on this tier, or None (built)."""
+        return None
+
+    def prepare(self, kernels: Iterable[Kernel]) -> None:
+        """Builds and probes each kernel not yet probed, every one of them (a failure refuses that
+        kernel only); then raises, naming each, if any of ``kernels`` is unavailable here."""
+        refused = []
+        for kernel in dict.fromkeys(Kernel(*k) for k in kernels):
+            why = self.unavailable(kernel)
+            if why is None and kernel not in self._probed:
+                why = self._build(kernel) or probe_kernel(self, kernel, self.probe_device)
+                if why is None:
+                    self._probed.add(kernel)
+                else:
+                    self._refused[kernel] = why
+            if why is not None:
+                refused.append(f"{describe(kernel)}: {why}")
+        if refused:
+            raise RuntimeError(f"{self.name} does not run " + "; ".join(refused))
+
+    def kernels_unavailable(self) -> dict[str, str]:
+        """Kernel (``describe``) -> why, for each kernel this tier refuses so far."""
+        return {describe(k): why for k, why in self._refused.items()}
+
+
+class MetalExtBackend(_PerKernel):
     """Tier 1: the ``_metal`` extension; one call per group, one encoder, no host sync."""
 
     name = "metal"
 
-    def __init__(self, ext: Any, metallib: Path, buffer_of: Callable = mps_buffer) -> None:
+    def __init__(self, ext: Any, metallib: Path, buffer_of: Callable = mps_buffer,
+                 probe_device: str | torch.device = "mps") -> None:
         if not metallib.is_file():
             raise missing_metallib(metallib)
         # Raises with Metal's own error text if the library is unusable, or if the loaded
-        # libtorch lacks the torch::mps functions.
-        ext.load(str(metallib), sorted(KERNELS.values()))
+        # libtorch lacks the torch::mps functions; a pipeline that fails to build is returned
+        # with Metal's error and costs only its kernel.
+        failed = ext.load(str(metallib), sorted(KERNELS.values())) or {}
+        self._init_kernels({_BY_NAME[name]: f"its pipeline was not built: {why}" for name, why in failed.items()
+                            if name in _BY_NAME}, probe_device)
         self._ext = ext
         self._buffer_of = buffer_of
 
-    def update(self, rule: str, params, grads, states, hp) -> None:
+    def update(self, rule: str, params, grads, states, hp, sr_keys=None) -> None:
+        for call in kernel_calls(rule, params, grads, states, hp, sr_keys):
+            self._encode(*call)
+
+    def _encode(self, rule: str, params, grads, states, hp) -> None:
         b = self._buffer_of
         if b is mps_buffer:  # the same triples, fewer reads per tensor
             n = numels(params)  # grads and states have their param's shape (validated)
@@ -206,19 +283,21 @@ class MetalExtBackend:
         self._ext.step(kernel_name(rule, params[0].dtype, states[0][0].dtype), buffers, pack_params(hp, rule))
 
 
-class ShaderLibraryBackend:
+class ShaderLibraryBackend(_PerKernel):
     """Tiers 2 and 3: a torch ShaderLibrary (``load_metallib`` / ``compile_shader``) of our kernels.
 
     torch's kernel call binds positional arguments to buffer indices in order: tensors with their
     storage offset, Python ints as int64 and lists of ints as int64 arrays (torch/csrc/mps/Module.cpp).
+    A kernel the library lacks (a source compiled without bfloat) or whose pipeline torch cannot
+    create is unavailable here, the others run.
     """
 
-    def __init__(self, name: str, library: Any, max_threads: int = MAX_THREADS_PER_DISPATCH) -> None:
+    def __init__(self, name: str, library: Any, max_threads: int = MAX_THREADS_PER_DISPATCH,
+                 probe_device: str | torch.device = "mps") -> None:
         available = set(dir(library))
-        missing = sorted(set(KERNELS.values()) - available)
-        if missing:
-            raise RuntimeError(f"library lacks kernels {missing}")
         self.name = name
+        self._init_kernels({k: f"the library lacks kernel {n}" for k, n in KERNELS.items() if n not in available},
+                           probe_device)
         self._lib = library
         self._fns: dict[tuple[str, torch.dtype, torch.dtype], Any] = {}
         self._max_threads = max_threads
@@ -229,7 +308,18 @@ class ShaderLibraryBackend:
             fn = self._fns[key] = getattr(self._lib, KERNELS[key])
         return fn, min(THREADGROUP_SIZE, int(getattr(fn, "max_threads_per_threadgroup", THREADGROUP_SIZE)))
 
-    def update(self, rule: str, params, grads, states, hp) -> None:
+    def _build(self, kernel: Kernel) -> Optional[str]:
+        try:  # torch creates the pipeline state here ("Failed to create function state object")
+            self._kernel(kernel)
+        except Exception as exc:
+            return f"its pipeline was not built: {exc!r}"
+        return None
+
+    def update(self, rule: str, params, grads, states, hp, sr_keys=None) -> None:
+        for call in kernel_calls(rule, params, grads, states, hp, sr_keys):
+            self._dispatch(*call)
+
+    def _dispatch(self, rule: str, params, grads, states, hp) -> None:
         fn, group = self._kernel((rule, params[0].dtype, states[0][0].dtype))
         words = params_as_words(pack_params(hp, rule))
         for tensors in zip(params, grads, *states):
@@ -238,37 +328,101 @@ class ShaderLibraryBackend:
                 fn(*tensors, words, base, n, threads=threads, group_size=min(group, threads))
 
 
-PROBE_ELEMENTS = 13  # three threads of 4 elements and a tail of 1
+# 67 threads of 4 elements and a tail of 1; for 8-bit states one whole block of 256 and a short one.
+PROBE_ELEMENTS = 269
+PROBE_SEED = 0x5EED  # the stochastic-rounding seed of the probes' second step
+
+
+def _probe_inputs(kernel: Kernel, n: int) -> tuple[list[torch.Tensor], list[Any], Callable[..., None]]:
+    """``(tensors, hypers, reference)`` of ``kernel``'s probe: param, grad and the kernel's state
+    tensors (in kernel order) on the CPU, the hyperparameters of each step (each rule's two
+    example modes, the second also with maximize; the low-bit rules with and without their key),
+    and ``reference(tensors, hp)``, which steps CPU tensors in place."""
+    from ..numerics import lowbit
+    from ..numerics.contract import example
+    from ..numerics.reference import REFERENCES
+    from ..numerics.reference_lowbit import reference_adam8bit_, reference_adam_sr_
+    rule, pdt, sdt = kernel
+    gen = torch.Generator().manual_seed(0)
+    p, g = torch.randn(n, generator=gen).to(pdt), torch.randn(n, generator=gen).to(pdt)
+    adam = [example("adam").hyper(1, adam_w_mode=True), example("adam").hyper(2, maximize=True, adam_w_mode=False)]
+    if rule == ADAM8BIT.name:
+        nb = lowbit.num_blocks(n)
+        states = [torch.full((n,), lowbit.SIGNED_ZERO_CODE, dtype=torch.uint8),
+                  torch.full((n,), lowbit.UNSIGNED_ZERO_CODE, dtype=torch.uint8), torch.zeros(nb), torch.zeros(nb),
+                  lowbit.kernel_table(True), lowbit.kernel_table(False)]
+        key = lowbit.sr_key(PROBE_SEED, 2) if pdt is torch.bfloat16 else None
+        hypers = [lowbit.Adam8bitTensorHyper(adam[0]), lowbit.Adam8bitTensorHyper(adam[1], key)]
+        return [p, g, *states], hypers, lambda t, hp: reference_adam8bit_(
+            t[0], t[1], t[2], t[4], t[3], t[5], hp.adam, hp.sr_key)
+    if rule == ADAM_SR.name:
+        states = [(0.1 * torch.randn(n, generator=gen)).to(sdt), (0.01 * torch.rand(n, generator=gen)).to(sdt)]
+        hypers = [lowbit.AdamSRHyper(hp, lowbit.sr_key(PROBE_SEED, hp.step)) for hp in adam]
+        return [p, g, *states], hypers, lambda t, hp: reference_adam_sr_(*t, hp.adam, hp.sr_key)
+    ex = example(rule)
+    states = [((0.01 * torch.rand(n, generator=gen)) if name in ex.nonnegative else
+               (0.1 * torch.randn(n, generator=gen))).to(sdt) for name in RULES[rule].states]
+    hypers = [ex.hyper(1, **ex.modes[0]), ex.hyper(2, **{"maximize": True, **ex.modes[1]})]
+    return [p, g, *states], hypers, lambda t, hp: REFERENCES[rule](t[0], t[1], t[2:], hp)
+
+
+def _differs(got: torch.Tensor, want: torch.Tensor) -> Optional[str]:
+    """How ``got`` breaks the contract against ``want``: codes must be equal; values within
+    ``8 * eps(dtype) * max|ref|``, with NaN only where the reference has NaN."""
+    if not want.is_floating_point():
+        wrong = int((got != want).sum())
+        return f"{wrong} of {want.numel()} codes differ" if wrong else None
+    got, ref = got.float(), want.float()
+    nan = got.isnan() & ~ref.isnan()
+    if bool(nan.any()):
+        return f"NaN at {int(nan.sum())} of {ref.numel()} elements"
+    bound = 8 * torch.finfo(want.dtype).eps * max(float(ref.abs().max()), torch.finfo(torch.float32).tiny)
+    diff = float(torch.where(ref.isnan(), 0.0, (got - ref).abs()).max())
+    return None if diff <= bound else f"{diff:.3g} away from the reference (the contract's bound: {bound:.3g})"
+
+
+@lru_cache(maxsize=None)
+def _probe_case(kernel: Kernel, n: int) -> tuple[tuple[torch.Tensor, ...], tuple[Any, ...], tuple[torch.Tensor, ...]]:
+    """``kernel``'s probe inputs, hyperparameters and reference results, computed once per
+    process (every tier probes the same kernel against the same reference)."""
+    start, hypers, reference = _probe_inputs(kernel, n)
+    want = [t.clone() for t in start]
+    for hp in hypers:
+        reference(want, hp)
+    return tuple(start), tuple(hypers), tuple(want)
+
+
+def probe_kernel(backend: Any, kernel: Kernel, device: str | torch.device, n: int = PROBE_ELEMENTS) -> Optional[str]:
+    """Two steps of ``kernel`` through ``backend`` on ``n`` elements on ``device`` against the
+    reference on the CPU: None when every output agrees (:func:`_differs`), else what failed.
+
+    Each Metal tier runs it for a kernel before the kernel's first real dispatch (``prepare``), so
+    that a kernel which builds but cannot run (a torch whose ShaderLibrary binds arguments
+    otherwise than 2.13's; a GPU that computes it wrongly) is refused, and its tensors go to the
+    next tier, instead of training wrong. Untested on Apple hardware."""
+    kernel = Kernel(*kernel)
+    start, hypers, want = _probe_case(kernel, n)
+    what = f"its first-use probe ({len(hypers)} steps of {n} elements on {device})"
+    try:
+        ours = [t.to(device, copy=True) for t in start]
+        for hp in hypers:
+            backend.update(kernel.rule, [ours[0]], [ours[1]], [[t] for t in ours[2:]], hp)
+        got = [t.cpu() for t in ours]  # waits for the GPU
+    except Exception as exc:
+        return f"{what} failed: {exc!r}"
+    names = ["param", *(RULES.get(kernel.rule) or METAL_RULES[kernel.rule]).states]
+    for name, k in zip(names, [0, *range(2, len(start))]):
+        wrong = _differs(got[k], want[k])
+        if wrong is not None:
+            return f"{what} gave a {name} {wrong}"
+    return None
 
 
 def probe(backend: Any, device: str | torch.device) -> None:
-    """One Adam step of :data:`PROBE_ELEMENTS` fp32 elements through ``backend`` on ``device``,
-    against the reference; raises ``RuntimeError`` saying what failed.
-
-    Each tier runs it before it is chosen, so that a tier which loads but cannot run (a torch
-    release whose ShaderLibrary binds a kernel's arguments otherwise than 2.13's, the one read
-    from its sources; a metallib the GPU rejects) is refused like one that does not load, and the
-    next tier runs, instead of the first training step failing. Untested on Apple hardware."""
-    from ..numerics.reference import reference_adam_
-    gen = torch.Generator().manual_seed(0)
-    n = PROBE_ELEMENTS
-    base = [torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 0.1, torch.zeros(n), torch.zeros(n)]
-    hp = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.1, 1)
-    want = [t.clone() for t in base]
-    reference_adam_(*want, hp)
-    what = f"its first-use probe (one Adam step of {n} fp32 elements on {device})"
-    try:
-        ours = [t.to(device) for t in base]
-        backend.update("adam", [ours[0]], [ours[1]], [[ours[2]], [ours[3]]], hp)
-        got = [t.cpu() for t in ours]  # waits for the GPU
-    except Exception as exc:
-        raise RuntimeError(f"{what} failed: {exc!r}") from exc
-    for name, k in (("param", 0), ("exp_avg", 2), ("exp_avg_sq", 3)):
-        bound = 8 * torch.finfo(torch.float32).eps * float(want[k].abs().max())
-        diff = float((got[k] - want[k]).abs().max())
-        if not diff <= bound:  # NaN fails too
-            raise RuntimeError(f"{what} gave a {name} {diff:.3g} away from the reference (the contract's bound: "
-                               f"{bound:.3g})")
+    """The first-use probe of a tier: :data:`BASE_KERNEL` must pass :meth:`prepare`, or the tier
+    is refused like one that does not load and the next one is used. Raises ``RuntimeError``
+    saying what failed."""
+    backend.prepare([BASE_KERNEL])
 
 
 def mps_tiers(*, load_ext: Callable[[], Any] | None = None, mps_api: Any = None,
@@ -277,7 +431,7 @@ def mps_tiers(*, load_ext: Callable[[], Any] | None = None, mps_api: Any = None,
               probe_device: str = "mps") -> list[tuple[str, Callable[[], Any]]]:
     """Tiers 1-3 as ``(label, factory)`` in preference order; each factory raises why it can't
     load, or why it cannot run (:func:`probe` on ``probe_device``: the stand-ins of the tests run
-    on CPU tensors)."""
+    on CPU tensors). Each tier then probes every other kernel in its ``prepare``, on the same device."""
     pkg = package_dir if package_dir is not None else _package_dir()
 
     def api() -> Any:
@@ -293,7 +447,7 @@ def mps_tiers(*, load_ext: Callable[[], Any] | None = None, mps_api: Any = None,
                 f"torch {torch.__version__} is older than {'.'.join(map(str, TIER1_MIN_TORCH))}: its "
                 "torch::mps::get_command_buffer() leaves PyTorch's own encoder open (no endKernelCoalescing)")
         ext = (load_ext or import_ext)()
-        return MetalExtBackend(ext, pkg / METALLIB_NAME, buffer_of)
+        return MetalExtBackend(ext, pkg / METALLIB_NAME, buffer_of, probe_device)
 
     def tier2() -> ShaderLibraryBackend:
         load = getattr(api(), "load_metallib", None)
@@ -302,14 +456,14 @@ def mps_tiers(*, load_ext: Callable[[], Any] | None = None, mps_api: Any = None,
         path = pkg / METALLIB_NAME
         if not path.is_file():
             raise missing_metallib(path)
-        return ShaderLibraryBackend("load_metallib", load(path))
+        return ShaderLibraryBackend("load_metallib", load(path), probe_device=probe_device)
 
     def tier3() -> ShaderLibraryBackend:
         compile_shader = getattr(api(), "compile_shader", None)
         if compile_shader is None:
             raise RuntimeError(f"torch {torch.__version__} has no torch.mps.compile_shader")
         source = find_metal_source(pkg).read_text(encoding="utf-8")
-        return ShaderLibraryBackend("compile_shader", compile_shader(source))
+        return ShaderLibraryBackend("compile_shader", compile_shader(source), probe_device=probe_device)
 
     def probed(make: Callable[[], Any]) -> Callable[[], Any]:
         def factory() -> Any:

@@ -1,11 +1,12 @@
 """The optimizer classes: ``FusedAdam`` (DeepSpeed's signature), ``Adam``/``AdamW`` (torch's),
 ``CPUAdam`` (DeepSpeed's ``DeepSpeedCPUAdam``), ``Lion`` (lion_pytorch's), ``FusedLion``
-(DeepSpeed's) and ``Adagrad`` (torch's), all over one step function.
+(DeepSpeed's) and ``Adagrad`` (torch's), and the one base of every optimizer class of the package
+(the 8-bit ones in eight_bit.py included), all over one step function.
 
 A step gathers every group's tensors, validates all of them, and only then creates missing state
-and hands one call per (device, dtypes, step count) to the backend of that device. A class names
-its update rule, its state tensors, how a group's hyperparameters become the rule's contract
-object, and its signature; nothing else.
+and hands one call per (device, param dtype, state format, state dtype, step count) to the backend
+that runs that kernel. A class names its update rule, its state format policy (state_formats.py),
+how a group's hyperparameters become the rule's contract object, and its signature; nothing else.
 """
 from __future__ import annotations
 
@@ -16,10 +17,13 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from . import dtensor, in_backward, sr_seeds, step_counts, step_plan, torch_args, validate
+from . import dtensor, in_backward, sr_seeds, state_formats, step_counts, step_plan, torch_args, validate
+from .state_formats import SEED_KEY
 from .step_entry import fast_step_entry
-from ..backends import SUPPORTED_DTYPES, get_backend, update_staged
-from ..numerics.contract import RULES, AdagradHyper, AdamHyper, LionHyper
+from .. import backends
+from ..backends import SUPPORTED_DTYPES, Kernel, backend_for, update_staged
+from ..numerics.contract import AdagradHyper, AdamHyper, LionHyper
+from ..numerics.lowbit import sr_key
 
 _Params = Iterable[Any]
 
@@ -75,11 +79,17 @@ def _materialised(g: torch.Tensor) -> torch.Tensor:
     return torch.zeros(g.shape, dtype=g.dtype, device=g.device)
 
 
+@functools.lru_cache(maxsize=None)
+def _one_format(rule: str) -> state_formats.OneFormat:
+    return state_formats.OneFormat(rule)
+
+
 class _FusedOptimizer(torch.optim.Optimizer):
-    """Shared machinery for every rule. A subclass sets ``_rule`` and implements ``_check_group``
-    and ``_hyper`` (and ``_new_state`` when a state does not start at 0); the state names are the
-    rule's (``contract.RULES``). Every public class takes ``step_in_backward=True``: each param is
-    then stepped from its post-accumulate-grad hook by ``_step_one`` (in_backward.py)."""
+    """The one base of every optimizer class. A subclass sets ``_rule`` and implements
+    ``_check_group`` and ``_hyper`` (and ``_new_state`` when a state does not start at 0); its
+    state format policy (``_policy``, state_formats.py) is by default the rule's states
+    (``contract.RULES``) in one dtype. Every public class takes ``step_in_backward=True``: each
+    param is then stepped from its post-accumulate-grad hook by ``_step_one`` (in_backward.py)."""
 
     # The update rule (contract.RULES) every step of this class runs.
     _rule = "adam"
@@ -89,8 +99,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
     _device_type: Optional[str] = None
 
     @property
-    def _state_names(self) -> tuple[str, ...]:
-        return RULES[self._rule].states
+    def _policy(self) -> Any:
+        """How each param's state is kept (state_formats.py): the rule's states in one dtype."""
+        return _one_format(self._rule)
+
+    def _check_added_group(self, group: dict[str, Any], where: str) -> None:
+        """Options checked when a group is added (the 8-bit classes' ``min_8bit_size``)."""
 
     def __init__(self, params: _Params, defaults: dict[str, Any], step_in_backward: bool = False) -> None:
         self._check_group(defaults, "")
@@ -115,6 +129,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         _optimizer_method("add_param_group")(self, param_group)
         gi = len(self.param_groups) - 1
         try:
+            self._check_added_group(self.param_groups[gi], f"param_groups[{gi}]")
             validate.check_group_param_dtypes(self.param_groups[gi], gi)
             in_backward.group_added(self, gi, self._device_type)
         except Exception:
@@ -181,24 +196,25 @@ class _FusedOptimizer(torch.optim.Optimizer):
         (``register_load_state_dict_pre_hook``) see the dict first and may replace it, and the
         post-hooks run after everything is loaded.
         """
+        policy = self._policy
+        kind = policy.kind or self._state_dict_kind
         load_state_dict_with_hooks(
-            self, state_dict, lambda sd: validate.check_state_dict(sd, self.param_groups, self._state_dict_kind),
+            self, state_dict, lambda sd: validate.check_state_dict(sd, self.param_groups, kind, policy.check_saved),
             self._retake_states)
 
     def _retake_states(self, state_dict: dict[str, Any]) -> None:
         saved_state = state_dict["state"]
+        policy = self._policy
         for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
             for key, p in zip(saved_group["params"], group["params"]):
                 saved = saved_state.get(key)
                 if saved is None:
                     continue
                 st = self.state[p]
-                for name in self._state_names:
-                    if isinstance(saved.get(name), torch.Tensor):
-                        st[name] = saved[name].to(device=p.device, dtype=self._state_dtype(p),
-                                                  memory_format=torch.preserve_format, copy=True)
-                if "step" in saved:
-                    st["step"] = int(saved["step"])
+                policy.of_state(saved).retake(self, p, saved, st)
+                for name in ("step", SEED_KEY):
+                    if name in saved:
+                        st[name] = int(saved[name])
 
     def _slots(self, gi: int, params: list) -> list:
         """Each group's states as a list aligned with its params, so a step looks states up by
@@ -238,25 +254,28 @@ class _FusedOptimizer(torch.optim.Optimizer):
         # plan still holds (step_plan.py) is checked in C++; any other takes the full path.
         plans = self._step_plans()
         work = []
+        kernels: dict[torch.device, set] = {}
         for gi, group in enumerate(self.param_groups):
             self._check_group(group, f"param_groups[{gi}]")
-            if group.get("bf16_stochastic_round"):
-                # Stochastic rounding needs a fresh per-tensor key each step, which the cached
-                # plans do not carry: such groups always take the full path and are not planned.
-                plans.pop(gi, None)
-                work.append((gi, group, None, self._plan_group(gi, group)))
-                continue
             plan = plans.get(gi)
             fast = step_plan.check(plan, group["params"]) if isinstance(plan, step_plan.Plan) else None
-            work.append((gi, group, plan, fast) if fast is not None else (gi, group, plan, self._plan_group(gi, group)))
+            if fast is not None and group.get("bf16_stochastic_round"):
+                fast = _with_sr_seeds(fast)
+            if fast is not None:
+                work.append((gi, group, plan, fast))
+            else:
+                planned = self._plan_group(gi, group)
+                _kernels_of(self, planned, kernels)
+                work.append((gi, group, plan, planned))
+        if kernels:  # a plan's kernels were prepared by the full step it was made after
+            backends.prepare(kernels)
         replan = []
         for gi, group, plan, planned in work:
             if isinstance(planned, list):
                 self._step_planned(group, plan, planned)
             else:
                 self._step_full(group, *planned[1:])
-                if not group.get("bf16_stochastic_round"):
-                    replan.append((gi, group, plan))
+                replan.append((gi, group, plan))
         if replan:
             self._replan(plans, replan)
         return loss
@@ -267,29 +286,33 @@ class _FusedOptimizer(torch.optim.Optimizer):
         The first time, and whenever anything changed: the full path's validation, state creation
         and kernel, over a group of this one param, after which the param gets a plan of its own
         (step_plan.py, as a group gets in ``step()``). Later hooks prove that plan in C++ and run the
-        same kernel call: the full path's Python (about 40 us a param on a 2-core Xeon) was what made
-        a small model's in-backward step slower than the grouped one."""
+        same kernel call: the full path's Python was what made a small model's in-backward step
+        slower than the grouped one (docs/memory.md)."""
         self._check_group(group, f"param_groups[{gi}]")
-        sr = bool(group.get("bf16_stochastic_round"))  # a fresh key per step: never planned (step())
         plans = self.__dict__.setdefault("_one_plans", {})
         entry = plans.get(id(p))
-        if entry is not None and not sr:
+        if entry is not None:
             plan, state, st, state_dtype = entry
             # The plan holds p, so id(p) is still p's; self.state replaced (load_state_dict) or p's
             # state dict replaced: the full path. An emptied or edited state dict fails the check.
             if (plan.params[0] is p and state is self.state and state_dtype == self._fixed_state_dtype
                     and self.state.get(p) is st):
                 planned = step_plan.check(plan, plan.params)
+                if planned is not None and group.get("bf16_stochastic_round"):
+                    planned = _with_sr_seeds(planned)
                 if planned is not None:
                     self._step_planned(group, plan, planned)
                     return
         one = dict(group)
         one["params"] = [p]
         one["param_names"] = [self._param_name(group, gi, pi)]
-        self._step_full(*self._plan_group(gi, one, [self.state.get(p) or None]))
+        full = self._plan_group(gi, one, [self.state.get(p) or None])
+        kernels: dict[torch.device, set] = {}
+        _kernels_of(self, full, kernels)
+        backends.prepare(kernels)
+        self._step_full(*full)
         native = step_plan.native()
-        plan = step_plan.build(native, one["params"], self.state, self._state_names) \
-            if native is not None and not sr else None
+        plan = step_plan.build(native, one["params"], self.state, self._policy) if native is not None else None
         if plan is not None and plan.buckets:
             plans[id(p)] = (plan, self.state, self.state.get(p), self._fixed_state_dtype)
         else:
@@ -297,46 +320,54 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def _step_planned(self, group: dict[str, Any], plan: step_plan.Plan, planned: list) -> None:
         plan.uses += 1
-        for bucket, grads in planned:
+        for bucket, grads, seeds in planned:
             step = bucket.step + 1
             plan.native.set_steps(bucket.begin, bucket.end, step)
             bucket.step = step
+            hp = self._hyper(group, step)
             # The plan holds only contiguous tensors and checked that each grad is: no staging.
-            get_backend(bucket.device).update(self._rule, bucket.params, grads, bucket.states,
-                                              self._hyper(group, step))
+            if seeds is None:
+                backend_for(bucket.device, bucket.kernel).update(bucket.fmt.rule, bucket.params, grads,
+                                                                 bucket.states, hp)
+            else:
+                rule = bucket.fmt.sr_rule
+                backend_for(bucket.device, bucket.kernel._replace(rule=rule)).update(
+                    rule, bucket.params, grads, bucket.states, hp, sr_keys=[sr_key(seed, step) for seed in seeds])
 
     def _step_full(self, group: dict[str, Any], fresh: list, buckets: dict) -> None:
-        names = self._state_names
-        nstates = len(names)
-        for p, pi, slots in fresh:
+        for p, pi, slots, fmt in fresh:
             st = slots[pi] = self.state[p]
-            sd = self._state_dtype(p)
             st["step"] = 0
-            for name in names:
-                st[name] = self._new_state(p, name, sd, group)
-            key = (p.device, p.dtype, sd, 0)
+            st.update(fmt.new(self, p, group))
+            key = (p.device, p.dtype, fmt, fmt.state_dtype(self, p), 0)
             bucket = buckets.get(key)
             if bucket is None:
-                bucket = buckets[key] = tuple([] for _ in range(nstates + 3))
+                bucket = buckets[key] = tuple([] for _ in range(len(fmt.names) + 3))
             # A DTensor param's new states are DTensors like it (zeros_like): its shards are stepped.
             bucket[0].append(dtensor.local(p))
             g = p.grad
             bucket[1].append(dtensor.local(_materialised(g) if g._is_zerotensor() else g))
-            for k, name in enumerate(names):
+            for k, name in enumerate(fmt.names):
                 bucket[2 + k].append(dtensor.local(st[name]))
             bucket[-1].append(st)
         sr = bool(group.get("bf16_stochastic_round"))
-        for (device, pdtype, _, last_step), bucket in buckets.items():
+        for (device, pdtype, fmt, sd, last_step), bucket in buckets.items():
             step = int(last_step) + 1
             for st in bucket[-1]:
                 st["step"] = step
+            keys, rule = None, fmt.rule
             if sr and pdtype is torch.bfloat16:
-                # Only the Adam rule has this option (_AdamBase's group key).
-                _stochastic_round_step(device, *bucket, self._hyper(group, step),
-                                       functools.partial(sr_seeds.param_seed, self))
-            else:
-                update_staged(get_backend(device), self._rule, bucket[0], bucket[1], list(bucket[2:-1]),
-                              self._hyper(group, step))
+                rule = fmt.sr_rule
+                # Stochastic rounding (only the Adam rule has the option): each param's own 64-bit
+                # seed (sr_seeds.py: independent of the order params are stepped in), drawn on its
+                # first such step, and this step's key of it.
+                keys = []
+                for p, st in zip(bucket[0], bucket[-1]):
+                    if SEED_KEY not in st:
+                        st[SEED_KEY] = sr_seeds.param_seed(self, p)
+                    keys.append(sr_key(int(st[SEED_KEY]), step))
+            update_staged(backend_for(device, Kernel(rule, pdtype, sd)), rule, bucket[0], bucket[1],
+                          list(bucket[2:-1]), self._hyper(group, step), keys)
 
     def _step_plans(self) -> dict[int, Any]:
         """The groups' cached plans, or none when the optimizer's state dict has changed since they
@@ -356,7 +387,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         if native is None:
             return
         for gi, group, previous in groups:
-            plans[gi] = step_plan.replan(native, previous, group["params"], self.state, RULES[self._rule].states)
+            plans[gi] = step_plan.replan(native, previous, group["params"], self.state, self._policy)
         self._plans_snapshot = native.DictSnapshot(self.state)
         self._plans_state_dtype = self._fixed_state_dtype
 
@@ -374,8 +405,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         params = group["params"]
         slots = self._slots(gi, params) if slots is None else slots
         supported, strided, only = SUPPORTED_DTYPES, torch.strided, self._device_type
-        names = self._state_names
-        nlists = len(names) + 3
+        policy = self._policy
+        single = policy.only  # the one format of every param's state, or None: the policy's per state
         fresh: list = []
         buckets: dict[tuple, tuple] = {}
         fixed_sd = self._fixed_state_dtype
@@ -393,6 +424,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             if g is None:
                 continue
             st = slots[pi] or None  # a state dict emptied since: fresh state, as torch takes it
+            fmt = None if st is None else single or policy.of_state(st)
             dt = p.dtype
             shape = p.shape
             on_cpu = p.is_cpu
@@ -408,12 +440,15 @@ class _FusedOptimizer(torch.optim.Optimizer):
                     states = None
                     ok = ok and (g.is_cpu if on_cpu else g.device == p.device)
                 else:
-                    states = [st.get(name) for name in names]
-                    sd = fixed_sd or dt
+                    states = [st.get(name) for name in fmt.names]
                     ok = ok and (g.is_cpu if on_cpu else g.device == p.device)
-                    for t in states:
-                        ok = (ok and type(t) is plain_t and t.dtype is sd and t.shape == shape
-                              and (t.is_cpu if on_cpu else t.device == p.device))
+                    if fmt.plain:
+                        sd = fmt.dtype or fixed_sd or dt
+                        for t in states:
+                            ok = (ok and type(t) is plain_t and t.dtype is sd and t.shape == shape
+                                  and (t.is_cpu if on_cpu else t.device == p.device))
+                    else:
+                        ok = ok and fmt.fits(p, states, on_cpu)
                     taken = st.get("step", 0)
                     ok = ok and type(taken) is int and taken >= 0
                 if ok and only is not None:
@@ -423,7 +458,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             if not ok:
                 validate.check_param(p, g, self._param_name(group, gi, pi), only)
                 if st is not None:
-                    validate.check_state(p, st, self._param_name(group, gi, pi), self._state_dtype(p), names)
+                    fmt.check(self, p, st, self._param_name(group, gi, pi))
                 if g._is_zerotensor():
                     g = _materialised(g)  # torch steps a ZeroTensor grad as the zeros it stands for
             # With ok, every state is exactly a torch.Tensor (checked above): no DTensor among them.
@@ -433,6 +468,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
                     or any(isinstance(t, dt_cls) for t in states or ())):
                 if isinstance(p, dt_cls):
                     name = self._param_name(group, gi, pi)
+                    if getattr(policy, "refuses_dtensor", False):
+                        # Blocks over each rank's shard would quantize other blocks than over the
+                        # whole tensor, and codes and scales are no DTensors to checkpoint.
+                        raise ValueError(f"{name}: {type(self).__name__} does not step DTensor params (FSDP2, "
+                                         f"tensor parallel); AdamW, Adam, Lion and Adagrad do")
                     if sr_group and dt is torch.bfloat16:
                         # The random bits are drawn per element index of the tensor stepped, here the
                         # local shard, and the seed from each rank's RNG: replicas of a Replicate
@@ -440,21 +480,22 @@ class _FusedOptimizer(torch.optim.Optimizer):
                         raise ValueError(f"{name}: bf16_stochastic_round=True does not step bf16 DTensor params "
                                          f"(FSDP2, tensor parallel); keep fp32 params or leave the option off")
                     dtensor.check_like_param(p, g, name, "grad")
-                    for state_name, t in zip(names, states or ()):
+                    for state_name, t in zip(fmt.names if st is not None else (), states or ()):
                         dtensor.check_like_param(p, t, name, f"state {state_name!r}")
                     if st is not None:
                         p, g, states = p.to_local(), g.to_local(), [t.to_local() for t in states]
                 else:
-                    dtensor.check_plain(p, g, states or (), self._param_name(group, gi, pi), names)
+                    dtensor.check_plain(p, g, states or (), self._param_name(group, gi, pi),
+                                        fmt.names if st is not None else ())
             if st is None:
                 if group.get("fused"):
                     torch_args.check_fused_param(p)
-                fresh.append((p, pi, slots))
+                fresh.append((p, pi, slots, single or policy.for_new(p, group)))
                 continue
-            key = (cpu if on_cpu else p.device, dt, states[0].dtype, st.get("step", 0))
+            key = (cpu if on_cpu else p.device, dt, fmt, states[0].dtype, st.get("step", 0))
             bucket = buckets.get(key)
             if bucket is None:
-                bucket = buckets[key] = tuple([] for _ in range(nlists))
+                bucket = buckets[key] = tuple([] for _ in range(len(states) + 3))
             bucket[0].append(p)
             bucket[1].append(g)
             for k, t in enumerate(states):
@@ -489,31 +530,31 @@ class _AdamBase(_FusedOptimizer):
                          maximize=bool(group["maximize"]))
 
 
-def _stochastic_round_step(device: torch.device, ps: list, gs: list, ms: list, vs: list, states: list,
-                           hp: AdamHyper, seed_of: Callable[[torch.Tensor], int]) -> None:
-    """Adam with bf16 params stored by stochastic rounding (lowbit.py's contract): the CPU kernel
-    for contiguous CPU tensors, the Metal kernels ``fused_adam_sr_bfloat_*`` on the Metal tiers
-    (one dispatch per tensor: the key is per tensor), else the plain-torch reference one tensor
-    at a time. Each param gets its own 64-bit seed in its state (``sr_seed``), ``seed_of(param)``
-    (sr_seeds.py: independent of the order params are stepped in), on its first such step."""
-    from ..numerics import lowbit
-    from ..backends import CPUBackend
-    from ..backends.mps import MetalExtBackend, ShaderLibraryBackend
-    from ..numerics.reference_lowbit import reference_adam_sr_
-    for p, st in zip(ps, states):
-        if "sr_seed" not in st:
-            st["sr_seed"] = seed_of(p)
-    keys = [lowbit.sr_key(int(st["sr_seed"]), hp.step) for st in states]
-    backend = get_backend(device)
-    if isinstance(backend, CPUBackend) and all(t.is_contiguous() for lst in (ps, gs, ms, vs) for t in lst):
-        backend.update("adam", ps, gs, [ms, vs], hp, sr_keys=keys)
-        return
-    if isinstance(backend, (MetalExtBackend, ShaderLibraryBackend)):
-        for p, g, m, v, key in zip(ps, gs, ms, vs, keys):
-            update_staged(backend, lowbit.ADAM_SR.name, [p], [g], [[m], [v]], lowbit.AdamSRHyper(hp, key))
-        return
-    for p, g, m, v, key in zip(ps, gs, ms, vs, keys):
-        reference_adam_sr_(p, g, m, v, hp, key)
+def _with_sr_seeds(planned: list) -> Optional[list]:
+    """A planned step of a stochastic-rounding group: each bf16 bucket with its params' seeds
+    (their keys follow from the step), or None where one lacks its seed (the full path draws it)."""
+    out = []
+    for bucket, grads, _ in planned:
+        seeds = None
+        if bucket.kernel.param_dtype is torch.bfloat16:
+            seeds = [st.get(SEED_KEY) for st in bucket.sts]
+            if not all(type(seed) is int for seed in seeds):
+                return None
+        out.append((bucket, grads, seeds))
+    return out
+
+
+def _kernels_of(opt: _FusedOptimizer, planned: tuple, kernels: dict) -> None:
+    """Add the kernels of a group's full step (``_plan_group``'s result) to ``kernels`` by device."""
+    group, fresh, buckets = planned
+    sr = bool(group.get("bf16_stochastic_round"))
+
+    def rule(fmt: Any, pdtype: torch.dtype) -> str:
+        return fmt.sr_rule if sr and pdtype is torch.bfloat16 else fmt.rule
+    for device, pdtype, fmt, sd, _ in buckets:
+        kernels.setdefault(device, set()).add(Kernel(rule(fmt, pdtype), pdtype, sd))
+    for p, _, _, fmt in fresh:
+        kernels.setdefault(p.device, set()).add(Kernel(rule(fmt, p.dtype), p.dtype, fmt.state_dtype(opt, p)))
 
 
 def _check_unsupported(group: dict[str, Any], cls: str, algorithm: str, options: tuple[str, ...]) -> None:

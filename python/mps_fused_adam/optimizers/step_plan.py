@@ -1,7 +1,7 @@
 """Cached step plans: a group's validation and bucketing done once, re-checked each step in C++.
 
-A full step (``optim._AdamBase._plan_group``) validates every tensor in Python and sorts it into
-kernel calls, about 2 microseconds per tensor. Between two steps of a training loop almost nothing
+A full step (``fused._FusedOptimizer._plan_group``) validates every tensor in Python and sorts it
+into kernel calls, several times the cost of the check below (docs/benchmarks.md). Between two steps of a training loop almost nothing
 of that changes: the same params, with the same dtype, shape, device and address, the same state
 dicts holding the same moment tensors at the same addresses. Only the grads are new tensors
 (``zero_grad(set_to_none=True)`` drops them every step). So after a step that passed the full
@@ -14,10 +14,10 @@ proves, in one C++ loop, that
   assignment, resizing, a dtype or device change);
 - each grad is a dense, contiguous tensor of the param's dtype, shape and device (its address is
   gathered for the kernel on the way);
-- each state dict still holds the planned state tensors (Adam: ``exp_avg``, ``exp_avg_sq``), at
-  the planned addresses, with the planned dtype, the param's shape and contiguous (an in-place
-  ``resize_``, ``t_`` or ``unsqueeze_`` of a state keeps the object and its address), and the
-  planned step count;
+- each state dict still holds the planned state tensors of its state format (Adam: ``exp_avg``,
+  ``exp_avg_sq``; 8-bit: codes and block scales: state_formats.py), at the planned addresses, with
+  the planned dtype and shape and contiguous (an in-place ``resize_``, ``t_`` or ``unsqueeze_`` of a
+  state keeps the object and its address), and the planned step count;
 
 and, once per step, that the optimizer's ``state`` dict is the same object with the same keys and
 per-param dicts (``_cpu.DictSnapshot``: this notices ``load_state_dict`` and a replaced or removed
@@ -45,7 +45,7 @@ from typing import Any, Optional
 import torch
 
 from . import dtensor
-from ..backends import Addressed
+from ..backends import Addressed, Kernel
 
 
 @dataclass
@@ -57,7 +57,10 @@ class Bucket:
     end: int
     step: int  # the step count the entries have now; the next update takes step + 1
     params: Addressed = field(repr=False)
-    states: list[Addressed] = field(repr=False)  # one list per state of the rule
+    states: list[Addressed] = field(repr=False)  # one list per state of the format
+    fmt: Any = None  # the entries' state format (state_formats.py): its rule is the kernel's
+    kernel: Any = None  # backends.Kernel of the bucket
+    sts: list = field(default_factory=list, repr=False)  # the entries' state dicts (stochastic rounding's seeds)
 
 
 @dataclass
@@ -115,7 +118,7 @@ def _enable_tensor_handles(cpu: Any) -> bool:
     return alloc is not None and os.path.exists(lib) and bool(cpu.enable_tensor_handles(lib, alloc))
 
 
-def replan(native_module: Any, previous: Any, params: list, state: Any, state_names: tuple[str, ...]) -> Any:
+def replan(native_module: Any, previous: Any, params: list, state: Any, policy: Any) -> Any:
     """What a group that just took the full path keeps for the next step: a new :class:`Plan`, or
     a :class:`Wait` when plans keep failing for it (doubling up to ``MAX_WAIT`` steps)."""
     if isinstance(previous, Wait) and previous.left > 0:
@@ -124,7 +127,7 @@ def replan(native_module: Any, previous: Any, params: list, state: Any, state_na
     if isinstance(previous, Plan) and previous.uses == 0:
         length = min(2 * previous.backoff, MAX_WAIT)
         return Wait(length, length)
-    plan = build(native_module, params, state, state_names)
+    plan = build(native_module, params, state, policy)
     if plan is None:
         return Wait(MAX_WAIT, MAX_WAIT)
     if isinstance(previous, Wait):
@@ -139,11 +142,11 @@ def _addressed(tensors: list[torch.Tensor], addresses: list[int], with_numels: b
     return out
 
 
-def build(native_module: Any, params: list, state: Any, state_names: tuple[str, ...]) -> Optional[Plan]:
+def build(native_module: Any, params: list, state: Any, policy: Any) -> Optional[Plan]:
     """The plan of a group whose step has just passed the full validation, or None when the group
     cannot be planned (a non-contiguous param or state tensor: those go through staging copies;
     a DTensor param, whose local shards the full path steps: dtensor.py).
-    ``state_names``: the update rule's state keys (``contract.RULES``), in kernel order."""
+    ``policy``: the optimizer's state formats (state_formats.py), each param's state in one of them."""
     if dtensor.any_dtensor(params):
         return None
     state_get = state.get
@@ -157,35 +160,40 @@ def build(native_module: Any, params: list, state: Any, state_names: tuple[str, 
         if p.grad is None:
             idle.append(i)
             continue
-        tensors = tuple(st[name] for name in state_names)
+        fmt = policy.of_state(st)
+        tensors = tuple(st[name] for name in fmt.names)
         if not (p.is_contiguous() and all(t.is_contiguous() for t in tensors)):
             return None
-        rows.append((p.device, p.dtype, tensors[0].dtype, int(st["step"]), i, p, st, tensors))
-    # Kernel calls as the full step makes them: one per (device, param dtype, state dtype, step).
+        rows.append((p.device, p.dtype, fmt, tensors[0].dtype, int(st["step"]), i, p, st, tensors))
+    # Kernel calls as the full step makes them: one per (device, param dtype, format, state dtype, step).
     order: dict[tuple, list] = {}
     for row in rows:
-        order.setdefault(row[:4], []).append(row)
+        order.setdefault(row[:5], []).append(row)
+    default = policy.formats[0].names
     active, buckets = [], []
-    for (device, dtype, _, step), members in order.items():
+    for (device, dtype, fmt, sdtype, step), members in order.items():
         begin = len(active)
-        for _, _, _, _, i, p, st, tensors in members:
+        own = () if fmt.names == default else (fmt.names,)
+        for _, _, _, _, _, i, p, st, tensors in members:
             active.append((i, p, dtype, p.shape, device, p.data_ptr(), st, tensors,
-                           tuple(t.data_ptr() for t in tensors), st["step"]))
-        ps = [r[5] for r in members]
-        per_state = [[r[7][k] for r in members] for k in range(len(state_names))]
+                           tuple(t.data_ptr() for t in tensors), st["step"], *own))
+        ps = [r[6] for r in members]
+        per_state = [[r[8][k] for r in members] for k in range(len(fmt.names))]
         buckets.append(Bucket(device, begin, len(active), step,
                               _addressed(ps, [t.data_ptr() for t in ps], with_numels=True),
-                              [_addressed(ts, [t.data_ptr() for t in ts]) for ts in per_state]))
-    native = native_module.GroupPlan(params, list(state_names), active, idle)
+                              [_addressed(ts, [t.data_ptr() for t in ts]) for ts in per_state],
+                              fmt, Kernel(fmt.rule, dtype, sdtype), [r[7] for r in members]))
+    native = native_module.GroupPlan(params, list(default), active, idle)
     return Plan(params, native, buckets)
 
 
-def check(plan: Plan, params: list) -> Optional[list[tuple[Bucket, Addressed]]]:
-    """Each bucket with this step's grads, or None when the group must take the full path."""
+def check(plan: Plan, params: list) -> Optional[list[tuple[Bucket, Addressed, None]]]:
+    """Each bucket with this step's grads (and None: no stochastic-rounding seeds), or None when
+    the group must take the full path."""
     if plan.params is not params:
         return None
     grads: list = []
     addresses: list = []
     if not plan.native.check(params, grads, addresses, torch.get_num_threads()):
         return None
-    return [(b, _addressed(grads[b.begin:b.end], addresses[b.begin:b.end])) for b in plan.buckets]
+    return [(b, _addressed(grads[b.begin:b.end], addresses[b.begin:b.end]), None) for b in plan.buckets]

@@ -269,18 +269,15 @@ def check_lowbit(adam8bit: Callable[..., None], adam_sr: Callable[..., None], de
         yield CheckResult(label, device, dtypes, worst, exact, device == "cpu", of_update)
 
 
-def _cpu_lowbit(cpu: Any) -> tuple[Callable[..., None], Callable[..., None]]:
-    from ..optimizers.eight_bit import _cpu_adam8bit
-    return (_cpu_adam8bit,
-            lambda p, g, m, v, hp, key: cpu.update("adam", [p], [g], [[m], [v]], hp, sr_keys=[key]))
+def _lowbit(backend: Any) -> tuple[Callable[..., None], Callable[..., None]]:
+    """A backend's 8-bit rule and its stochastic-rounding mode of Adam, one tensor a call."""
+    from ..optimizers.state_formats import Blockwise8bit
 
-
-def _metal_lowbit(backend: Any) -> tuple[Callable[..., None], Callable[..., None]]:
-    from ..numerics import lowbit
-    from ..optimizers.eight_bit import _metal_adam8bit
-    return (lambda p, g, st, hp, key: _metal_adam8bit(backend, p, g, st, hp, key),
-            lambda p, g, m, v, hp, key: backend.update(lowbit.ADAM_SR.name, [p], [g], [[m], [v]],
-                                                       lowbit.AdamSRHyper(hp, key)))
+    def adam8bit(p, g, st, hp, key):
+        backend.update("adam8bit", [p], [g], [[st[k]] for k in Blockwise8bit.names], hp,
+                       sr_keys=None if key is None else [key])
+    return (adam8bit,
+            lambda p, g, m, v, hp, key: backend.update("adam_sr", [p], [g], [[m], [v]], hp, sr_keys=[key]))
 
 
 def all_checks() -> Iterator[CheckResult]:
@@ -292,7 +289,7 @@ def all_checks() -> Iterator[CheckResult]:
             for path in _cpu.simd_paths():
                 _cpu.set_simd_path(path)
                 yield from check_backend(cpu, "cpu", f"_cpu ({path})")
-                yield from check_lowbit(*_cpu_lowbit(cpu), "cpu", f"_cpu ({path})")
+                yield from check_lowbit(*_lowbit(cpu), "cpu", f"_cpu ({path})")
                 yield check_many(cpu, "cpu", f"_cpu ({path})")
                 yield check_agreement(cpu, "cpu", f"_cpu ({path})")
         finally:
@@ -300,20 +297,89 @@ def all_checks() -> Iterator[CheckResult]:
     yield from check_backend(ForeachBackend(), "cpu", "foreach")
     yield check_many(ForeachBackend(), "cpu", "foreach")
     yield check_agreement(ForeachBackend(), "cpu", "foreach")
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        from ..backends.mps import mps_tiers
-        for label, make in mps_tiers():
-            try:
-                backend = make()
-            except Exception:  # reported by backend_info; nothing to check
+    if _mps_usable():
+        for tier in mps_tier_states():
+            if tier.backend is None:  # its line (tier_lines) says why; nothing to check
                 continue
-            yield from check_backend(backend, "mps", label)
-            yield from check_lowbit(*_metal_lowbit(backend), "mps", label)
-            yield check_many(backend, "mps", label)
+            backend, label, runs = tier.backend, tier.label, tier.runs
+            yield from filter(runs, check_backend(backend, "mps", label))
+            yield from filter(runs, check_lowbit(*_lowbit(backend), "mps", label))
+            yield from filter(runs, [check_many(backend, "mps", label)])
             yield check_agreement(backend, "mps", label)
         yield from check_backend(ForeachBackend(), "mps", "foreach")
         yield check_many(ForeachBackend(), "mps", "foreach")
         yield check_agreement(ForeachBackend(), "mps", "foreach")
+
+
+def _mps_usable() -> bool:
+    return getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+
+
+@dataclass
+class TierState:
+    """One MPS tier as the self-check found it: loaded (``backend``) or why not (``reason``), and
+    the kernels it refuses after building and probing all of them (``describe`` -> why)."""
+    number: int
+    label: str
+    backend: Any = None
+    reason: Optional[str] = None
+    refused: dict = None  # type: ignore[assignment]
+
+    def runs(self, result: CheckResult) -> bool:
+        """Whether ``result`` checks a kernel this tier runs (a refused one is on its line instead).
+        The cases' labels name their kernel's dtypes last: ``float32/float32`` (Adam), ``lion
+        float32/float32``, ``adam-sr bfloat16/float32``, ``5 tensors, N elements, bfloat16/float32``."""
+        words = result.dtypes.split(", ")[-1].split(" ")
+        kernel = f"adam {words[0]}" if len(words) == 1 else f"{words[0].replace('adam-sr', 'adam_sr')} {words[1]}"
+        return kernel not in (self.refused or {})
+
+    def line(self, total: int, width: int = 120) -> str:
+        """One line: ``tier N label: state[, reason]`` (reasons cut to ``width`` characters)."""
+        def cut(text: str) -> str:
+            return text if len(text) <= width else text[:width - 3] + "..."
+        head = f"  tier {self.number} {self.label}:"
+        if self.backend is None:
+            return f"{head} not loaded: {cut(self.reason or '')}"
+        if not self.refused:
+            return f"{head} loaded, runs all {total} kernels"
+        first, why = next(iter(self.refused.items()))
+        more = f" and {len(self.refused) - 1} more" if len(self.refused) > 1 else ""
+        return f"{head} loaded, runs {total - len(self.refused)} of {total} kernels; refuses {first}{more}: {cut(why)}"
+
+
+_TIER_STATES: list[TierState] = []
+
+
+def mps_tier_states(tiers: Optional[list] = None) -> list[TierState]:
+    """Each MPS tier loaded on its own (not only those the chain of ``get_backend("mps")`` has
+    needed), every kernel built and probed; remembered for the process when ``tiers`` is None."""
+    if tiers is None and _TIER_STATES:
+        return _TIER_STATES
+    from ..backends.mps import KERNELS, mps_tiers
+    out = []
+    for i, (label, make) in enumerate(tiers if tiers is not None else mps_tiers(), 1):
+        try:
+            backend = make()
+        except Exception as exc:
+            out.append(TierState(i, label, reason=f"{type(exc).__name__}: {exc}", refused={}))
+            continue
+        try:
+            backend.prepare(KERNELS)
+        except Exception:  # each refusal is in kernels_unavailable()
+            pass
+        out.append(TierState(i, label, backend, refused=backend.kernels_unavailable()))
+    if tiers is None:
+        _TIER_STATES[:] = out
+    return out
+
+
+def tier_lines(tiers: Optional[list] = None) -> list[str]:
+    """One line per MPS tier with its state and reason (none without an MPS device, unless
+    ``tiers`` is given)."""
+    if tiers is None and not _mps_usable():
+        return []
+    from ..backends.mps import KERNELS
+    return [t.line(len(KERNELS)) for t in mps_tier_states(tiers)]
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
