@@ -334,7 +334,7 @@ kernel void fused_step_1(device P* param [[buffer(0)]],
 // (one working thread per 256 elements, private to its block).
 // Buffers: 0 param (P)  1 grad (P)  2 exp_avg codes  3 exp_avg_sq codes (uchar)  4, 5 their block
 // scales (float)  6, 7 the signed and unsigned map tables (lowbit.kernel_table: 256 code values,
-// 255 midpoints, a pad, 4096 quantizer start counts)  8 Adam8bitParams  9 base  10 n.
+// 255 midpoints, a pad, the quantizer's region constants)  8 Adam8bitParams  9 base  10 n.
 struct Adam8bitParams {
   float beta1;
   float beta2;
@@ -361,19 +361,46 @@ struct Adam8bitRule {
   }
 };
 
-// The number of midpoints strictly below x (the nearest code, ties to the lower one, NaN -> 0):
-// the start count of x's bucket of 2^20 fp32 bit patterns (in value order), then a few steps up.
+// The nearest-code search of src/cpu/q8_search.h on a map's kernel table (lowbit.py, "The
+// kernels' quantizer"; offsets KT_*): the region of z (fp32 bits of a value >= 0) from its binade
+// and one boundary, the region's affine estimate, and one midpoint test. The result is exact
+// whatever the estimate's rounding (contracted or flushed), which is only ever off by far less
+// than half a code.
+inline uint q8_count(uint z, device const float* t, uint zero) {
+  const uint e = z >> 23;
+  const uint k = (e < 96u ? 96u : (e > 127u ? 127u : e)) - 96u;
+  const uint r = as_type<uint>(t[576 + k]) + (z > as_type<uint>(t[608 + k]) ? 1u : 0u);
+  const float f = as_type<float>(z) * t[512 + r] - t[528 + r];
+  float j = metal::rint(f) - 1.0f;
+  if (!(j >= t[560 + r])) {
+    j = t[560 + r];  // NaN too (z = inf, in region 8)
+  }
+  if (j > t[544 + r]) {
+    j = t[544 + r];
+  }
+  const uint top = 254u - zero;  // N: region 8's count N + 1 is M_N's test
+  const uint m = j < float(top) ? uint(j) : top;
+  return m + (z > as_type<uint>(t[256 + zero + m]) ? 1u : 0u);
+}
+
+// The number of midpoints strictly below x (the nearest code, ties to the lower one, NaN -> 0).
+// The signed map is symmetric: below a negative x lie 127 minus the midpoints M_j <= |x| (j < N),
+// the count below |x|'s next fp32.
 inline uint code_of(float x, device const float* table) {
   if (x != x) {
     return 0;
   }
   const uint u = as_type<uint>(x);
-  const uint key = (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
-  uint c = uint(table[512 + (key >> 20)]);
-  while (c < 255 && table[256 + c] < x) {
-    ++c;
+  const uint y = u & 0x7FFFFFFFu;
+  const bool neg = (u >> 31) != 0;
+  if (!(table[0] < 0.0f)) {  // the unsigned map: its midpoints are all positive
+    return neg ? 0u : q8_count(y, table, 0u);
   }
-  return c;
+  if (neg) {
+    const uint p = q8_count(y + 1u, table, 127u);
+    return 127u - (p < 127u ? p : 127u);
+  }
+  return 127u + q8_count(y, table, 127u);
 }
 
 // max(acc, a) that turns NaN once any element is NaN (as torch's amax does).

@@ -102,6 +102,7 @@ class Emulator:
                                      u64, u64, u64, u64, ctypes.c_int]
         for fn in (lib.emu_round_half, lib.emu_round_bfloat):
             fn.argtypes = [vp, vp, u64]
+        lib.emu_code_of.argtypes = [vp, vp, vp, u64]
         self.kernel_names = [lib.emu_kernel_name(k).decode() for k in range(lib.emu_kernel_count())]
         # Per kernel: bytes of its rule's Params struct and its buffer count (param, grad, states).
         self.params_size = {k: int(lib.emu_params_size(k.encode())) for k in self.kernel_names}
@@ -118,6 +119,13 @@ class Emulator:
                                    threads, group, int(reverse))
         if rc != 0:
             raise RuntimeError(f"emulated dispatch of {name} refused (code {rc})")
+
+    def code_of(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """The 8-bit kernel's ``code_of`` (its nearest-code search, no floor) of each fp32 in ``x``."""
+        x, table = x.contiguous(), table.contiguous()
+        out = torch.empty(x.numel(), dtype=torch.uint8)
+        self.lib.emu_code_of(x.data_ptr(), table.data_ptr(), out.data_ptr(), x.numel())
+        return out
 
     def run_tensors(self, p, g, m, v, hyper: bytes, *, base: int = 0, threads: int | None = None,
                     group: int = 256, reverse: bool = False, n: int | None = None, rule: str = "adam") -> None:

@@ -104,6 +104,8 @@ namespace metal {
 // Correctly rounded, as IEEE requires of sqrt (and as Metal's precise sqrt is meant to be).
 inline float sqrt(float x) { return std::sqrt(x); }
 inline float fabs(float x) { return std::fabs(x); }
+// Round to nearest even (Metal's rint); the emulator runs in the default rounding mode.
+inline float rint(float x) { return std::rint(x); }
 namespace precise {
 // metal::precise:: forms: correctly rounded sqrt and division, whatever the math mode.
 inline float sqrt(float x) { return std::sqrt(x); }

@@ -138,6 +138,11 @@ void emu_round_bfloat(const float* in, uint16_t* out, uint64_t n) {
   }
 }
 
+// The 8-bit kernel's nearest-code search (code_of) alone, on a map's kernel table.
+void emu_code_of(const float* x, const float* table, uint8_t* out, uint64_t n) {
+  for (uint64_t i = 0; i < n; ++i) out[i] = uint8_t(code_of(x[i], table));
+}
+
 void emu_coverage_dump(void) {
 #ifdef EMU_COVERAGE
   __gcov_dump();

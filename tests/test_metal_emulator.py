@@ -468,3 +468,16 @@ def test_8bit_kernel_independent_of_threadgroups_order_and_dispatch_split(emu, g
     want, _ = run_8bit(emu, 4099, torch.float32, MODES[0], seed=3)
     got, _ = run_8bit(emu, 4099, torch.float32, MODES[0], seed=3, group=group, reverse=reverse, split=split)
     assert_8bit_equal(got, want)
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_8bit_search_matches_reference_near_every_midpoint(emu, signed):
+    """The Metal source's code_of (the 8-bit kernel's nearest-code search) on every fp32 near every
+    midpoint of both maps and on the special classes, against the contract's searchsorted."""
+    from q8_cases import midpoint_count, near_midpoints
+
+    x = near_midpoints(signed)
+    got = emu.code_of(x, lowbit.kernel_table(signed)).long()
+    want = midpoint_count(x, signed)
+    bad = (got != want).nonzero().flatten()
+    assert bad.numel() == 0, [(float(x[i]), int(want[i]), int(got[i])) for i in bad[:8]]

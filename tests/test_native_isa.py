@@ -28,15 +28,30 @@ def _assert_every_rule_ran(stdout: str) -> None:
         assert re.search(rf"^rule {name}: [1-9]\d* cases, 0 mismatches$", stdout, re.M), (name, stdout)
 
 
+def _kernel_tables(tmp_path: Path) -> str:
+    """lowbit's two kernel tables (signed, then unsigned) in one file, for the harness's 8-bit part."""
+    from mps_fused_adam.numerics import lowbit
+
+    path = tmp_path / "kernel_tables.bin"
+    path.write_bytes(lowbit.kernel_table(True).numpy().tobytes() + lowbit.kernel_table(False).numpy().tobytes())
+    return str(path)
+
+
+def _assert_search_checked(stdout: str) -> None:
+    """The 8-bit search's near-midpoint cases ran for both maps, with and without the floor."""
+    assert "MISMATCH quantize" not in stdout, stdout
+
+
 def test_neon_matches_scalar_under_qemu(tmp_path):
     cxx, qemu = require_tool("aarch64-linux-gnu-g++", "qemu-aarch64")
     exe = tmp_path / "isa_parity"
     subprocess.run([cxx, *FLAGS, f"-I{SRC}", "-DMFA_NATIVE_NS=isa_neon", str(ROOT / "tests/native/isa_parity.cpp"),
                     str(SRC / "adam_scalar.cpp"), str(SRC / "adam_neon.cpp"), "-o", str(exe)], check=True)
-    run = subprocess.run([qemu, str(exe)], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([qemu, str(exe), _kernel_tables(tmp_path)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "neon vs scalar" in run.stdout
     _assert_every_rule_ran(run.stdout)
+    _assert_search_checked(run.stdout)
 
 
 # The /proc/cpuinfo flags each x86 build needs; its compiler flags come from cmake/cpu_adam.cmake.
@@ -82,7 +97,8 @@ def test_x86_build_matches_scalar_natively(tmp_path, isa):
         objs.append(str(obj))
     exe = tmp_path / "isa_parity"
     subprocess.run([cxx, *objs, "-o", str(exe)], check=True)
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([str(exe), _kernel_tables(tmp_path)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert f"{isa} vs scalar" in run.stdout
     _assert_every_rule_ran(run.stdout)
+    _assert_search_checked(run.stdout)

@@ -27,14 +27,13 @@ namespace {
 namespace nb = nanobind;
 
 // The maps are lowbit's two fixed ones; their tables are built once per distinct content.
-const Q8Tables& tables_for(const float* values, const float* mids) {
+const Q8Tables& tables_for(const float* kernel_table) {
   static std::mutex mu;
   static std::vector<std::unique_ptr<Q8Tables>> cache;
   std::lock_guard<std::mutex> lock(mu);
   for (const auto& t : cache)
-    if (!std::memcmp(t->values.data(), values, kCodes * 4) && !std::memcmp(t->mid.data(), mids, (kCodes - 1) * 4))
-      return *t;
-  cache.push_back(build_q8_tables(values, mids));
+    if (!std::memcmp(t->table.data(), kernel_table, kKtSize * 4)) return *t;
+  cache.push_back(build_q8_tables(kernel_table));
   return *cache.back();
 }
 
@@ -79,6 +78,8 @@ void add_job(Batch& b, uintptr_t param, uintptr_t grad, uintptr_t codes1, uintpt
              uintptr_t absmax2, int64_t n, int param_dtype, const Q8Map& map1, const Q8Map& map2,
              const nb::bytes& scalars, uint32_t sr_key, bool sr, bool floor) {
   if (n == 0) return;
+  if (!map1.is_signed || map2.is_signed)
+    throw std::invalid_argument("adam8bit: map1 must be lowbit.kernel_table(True) (signed), map2 kernel_table(False)");
   Q8Job q{};
   q.map1 = map1;
   q.map2 = map2;
@@ -111,7 +112,7 @@ void run_batch(Batch& b, int num_threads) {
 Q8Map map_at(uintptr_t table) {
   if (table == 0) throw std::invalid_argument("adam8bit: the map table's address is null");
   const float* m = ptr<const float>(table);
-  return tables_for(m, m + kCodes).view();
+  return tables_for(m).view();
 }
 
 void adam8bit_step(uintptr_t param, uintptr_t grad, uintptr_t codes1, uintptr_t absmax1, uintptr_t codes2,
@@ -157,6 +158,17 @@ void adam8bit_step_many(const std::vector<uintptr_t>& params, const std::vector<
 }  // namespace
 
 void register_adam8bit(nb::module_& m) {
+  m.def(
+      "q8_quantize",
+      [](uintptr_t x, int64_t n, uintptr_t map, bool positive_floor, uintptr_t out) {
+        if (n < 0) throw std::invalid_argument("q8_quantize: n must be >= 0");
+        if (n && (x == 0 || out == 0)) throw std::invalid_argument("q8_quantize: null address");
+        const Q8Map m = map_at(map);
+        active_isa().q8_quantize(ptr<const float>(x), n, m, positive_floor, ptr<uint8_t>(out));
+      },
+      nb::arg("x"), nb::arg("n"), nb::arg("map"), nb::arg("positive_floor"), nb::arg("out"),
+      "The 8-bit step's nearest-code search alone on the active SIMD path (for tests): codes of n fp32\n"
+      "values at x on map (a lowbit.kernel_table) into n uint8 at out.");
   m.def("adam8bit_step_many", &adam8bit_step_many, nb::arg("params"), nb::arg("grads"), nb::arg("codes1"),
         nb::arg("absmax1"), nb::arg("codes2"), nb::arg("absmax2"), nb::arg("numels"), nb::arg("param_dtypes"),
         nb::arg("map1"), nb::arg("map2"), nb::arg("scalars"), nb::arg("sr_keys"), nb::arg("sr"),
@@ -169,9 +181,9 @@ void register_adam8bit(nb::module_& m) {
         nb::arg("map1"), nb::arg("map2"), nb::arg("scalars"), nb::arg("sr_key"), nb::arg("sr"),
         nb::arg("num_threads"), nb::arg("floor") = false,
         "One 8-bit block-wise Adam step over one contiguous tensor given as host addresses: codes\n"
-        "(uint8) and block scales (fp32) of both moments; map1/map2 start with the 256 code values and\n"
-        "255 midpoints (lowbit.kernel_table), from which the quantizer's own table is built once per\n"
-        "map; scalars is lowbit.pack_adam8bit(hyper); with sr, a bf16 param is stored by stochastic\n"
+        "(uint8) and block scales (fp32) of both moments; map1/map2 are lowbit.kernel_table(True/False)\n"
+        "(code values, midpoints, the quantizer's region constants), checked once per distinct table;\n"
+        "scalars is lowbit.pack_adam8bit(hyper); with sr, a bf16 param is stored by stochastic\n"
         "rounding with sr_key. With floor, the benchmark's memory\n"
         "floor instead: the same bytes read and written, trivial math. Releases the GIL.");
 }

@@ -5,7 +5,8 @@
 // A block is two passes over L1-resident scratch: dequantize, Adam v2 with the clamp, store the
 // param, and track each moment's absmax; then requantize with the new scales. The three table
 // operations (dequantize, absmax, nearest code) are the only ISA-specific parts: byte permutes
-// (dequantize, with AVX512_VBMI) and gathers on x86, a lane loop elsewhere. Every path performs
+// (dequantize, with AVX512_VBMI) or gathers on x86, a lane loop elsewhere; the nearest code is
+// arithmetic on the maps' structure everywhere (q8_search.h), with no table gather. Every path performs
 // the reference's fp32 operations in its order (built with -ffp-contract=off), so all paths agree
 // bit for bit.
 #pragma once
@@ -14,6 +15,14 @@ namespace q8 {
 
 constexpr int W = Vec::W;
 using F = Vec::F;
+
+// The search runs twice per vector: inlined, so that its constants stay in registers (as a call
+// it reloaded them and realigned the stack each time). The lanes it is unsure of go out of line.
+#define MFA_Q8_HOT inline __attribute__((always_inline))
+__attribute__((noinline, cold)) inline void recheck(uint8_t* out, const float* x, unsigned lanes, const Q8Map& map,
+                                                    bool positive_floor) {
+  for (; lanes; lanes &= lanes - 1) out[__builtin_ctz(lanes)] = q8_code(x[__builtin_ctz(lanes)], map, positive_floor);
+}
 
 #if defined(MFA_ISA_AVX512)
 using Acc = __m512i;  // running max of |x|'s bit patterns
@@ -68,22 +77,63 @@ inline uint32_t acc_reduce(Acc a) { return _mm512_reduce_max_epu32(a); }
 inline F clamp(F u, F lo, F hi) {  // NaN stays NaN: min/max return their second operand then
   return _mm512_max_ps(lo, _mm512_min_ps(hi, u));
 }
-// Nearest code of each lane (see Q8Map); NaN -> 0; with `positive_floor`, a positive x never 0.
-inline void quantize(uint8_t* out, F x, const Q8Map& map, bool positive_floor) {
+// The nearest-code search (q8_search.h) on 16 lanes without a table load: the region from the
+// binade (two 32-entry permutes and one comparison), the region's constants by permutes, and the
+// count as floor(estimate), exact for every lane whose estimate lies further than Q8Map::unsure
+// from an integer; the few others (about 3 in 100,000) take q8_code.
+template <bool Signed>
+struct Quant {
+  const Q8Map* map;
+  __m512 a, c, jhi, unsure;
+  __m512i region0, region1, bound0, bound1, lowest, highest, one, zero;
+  explicit Quant(const Q8Map& m)
+      : map(&m), a(_mm512_loadu_ps(m.a)), c(_mm512_loadu_ps(m.c)), jhi(_mm512_loadu_ps(m.jhi)),
+        unsure(_mm512_set1_ps(m.unsure)), region0(_mm512_loadu_si512(m.region)), region1(_mm512_loadu_si512(m.region + 16)),
+        bound0(_mm512_loadu_si512(m.boundary)), bound1(_mm512_loadu_si512(m.boundary + 16)),
+        lowest(_mm512_set1_epi32(96)), highest(_mm512_set1_epi32(127)), one(_mm512_set1_epi32(1)),
+        zero(_mm512_set1_epi32(int(m.zero))) {}
+};
+template <bool Signed>
+MFA_Q8_HOT __m512i q8_counts(const Quant<Signed>& q, __m512i z, __mmask16& unsure) {
+  // Clamped to 96..127, whose low 5 bits (all that permutex2var reads) are the binade index.
+  const __m512i e = _mm512_min_epu32(_mm512_max_epu32(_mm512_srli_epi32(z, 23), q.lowest), q.highest);
+  __m512i r = _mm512_permutex2var_epi32(q.region0, e, q.region1);
+  r = _mm512_mask_add_epi32(r, _mm512_cmpgt_epu32_mask(z, _mm512_permutex2var_epi32(q.bound0, e, q.bound1)), r, q.one);
+  const __m512 f = _mm512_sub_ps(_mm512_mul_ps(_mm512_castsi512_ps(z), _mm512_permutexvar_ps(r, q.a)),
+                                 _mm512_permutexvar_ps(r, q.c));
+#if defined(__AVX512DQ__)
+  const __m512 near = _mm512_reduce_ps(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // f - rint(f)
+#else
+  const __m512 near = _mm512_sub_ps(f, _mm512_roundscale_ps(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  unsure = _mm512_cmp_ps_mask(_mm512_abs_ps(near), q.unsure, _CMP_LE_OQ);  // false for NaN
+  // min returns its second operand for a NaN estimate (z = inf in region 8): that region's count.
+  return _mm512_cvttps_epi32(_mm512_min_ps(f, _mm512_permutexvar_ps(r, q.jhi)));
+}
+template <bool Signed>
+MFA_Q8_HOT void quantize(uint8_t* out, F x, const Quant<Signed>& q, bool positive_floor) {
   const __m512i u = _mm512_castps_si512(x);
-  const __m512i key = _mm512_xor_si512(u, _mm512_or_si512(_mm512_srai_epi32(u, 31), _mm512_set1_epi32(INT32_MIN)));
-  const __m512i e = _mm512_i32gather_epi32(_mm512_srli_epi32(key, 16), map.bucket, 4);
-  const __m512i low = _mm512_set1_epi32(0xFFFF);
-  const __mmask16 up = _mm512_cmpgt_epu32_mask(_mm512_and_si512(key, low), _mm512_and_si512(e, low));
-  const __m512i one = _mm512_set1_epi32(1);
-  __m512i c = _mm512_srli_epi32(e, 16);
-  c = _mm512_mask_add_epi32(c, up, c, one);
-  c = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), c);
-  if (positive_floor) {
-    const __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
-    c = _mm512_mask_max_epu32(c, pos, c, one);
+  const __m512i y = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
+  __mmask16 unsure, keep;  // the lanes whose code may be non-zero
+  __m512i c;
+  if (Signed) {
+    const __mmask16 neg = _mm512_cmplt_epi32_mask(u, _mm512_setzero_si512());
+    const __m512i p = q8_counts(q, _mm512_mask_add_epi32(y, neg, y, q.one), unsure);
+    c = _mm512_mask_sub_epi32(_mm512_add_epi32(q.zero, p), neg, q.zero, _mm512_min_epu32(p, q.zero));
+    if (positive_floor) c = _mm512_mask_max_epu32(c, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ), c, q.one);
+    keep = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);  // NaN -> 0
+  } else {
+    // Below zero, at zero and NaN: code 0; above zero the count (at least 1 with the floor).
+    keep = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
+    c = q8_counts(q, y, unsure);
+    if (positive_floor) c = _mm512_max_epu32(c, q.one);
   }
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(c));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_maskz_cvtepi32_epi8(keep, c));
+  if (__builtin_expect(unsure != 0, 0)) {
+    alignas(64) float t[W];
+    _mm512_store_ps(t, x);
+    recheck(out, t, unsure, *q.map, positive_floor);
+  }
 }
 #elif defined(MFA_ISA_AVX2)
 using Acc = __m256i;
@@ -104,24 +154,67 @@ inline uint32_t acc_reduce(Acc a) {
   return uint32_t(_mm_cvtsi128_si32(m));
 }
 inline F clamp(F u, F lo, F hi) { return _mm256_max_ps(lo, _mm256_min_ps(hi, u)); }
-inline void quantize(uint8_t* out, F x, const Q8Map& map, bool positive_floor) {
+// The AVX-512 path's search (see there) on 8 lanes: the region by comparisons with the eight
+// boundaries (no 32-entry permute here), regions 0..7's constants by permutes, region 8 by blend.
+template <bool Signed>
+struct Quant {
+  const Q8Map* map;
+  __m256 a, c, jhi, unsure;
+  __m256i bound[8], top, one, zero;
+  explicit Quant(const Q8Map& m)
+      : map(&m), a(_mm256_loadu_ps(m.a)), c(_mm256_loadu_ps(m.c)), jhi(_mm256_loadu_ps(m.jhi)),
+        unsure(_mm256_set1_ps(m.unsure)), top(_mm256_set1_epi32(int(m.jhi[8]))), one(_mm256_set1_epi32(1)),
+        zero(_mm256_set1_epi32(int(m.zero))) {
+    for (int k = 0; k < 8; ++k) bound[k] = _mm256_set1_epi32(int(m.boundaries[k]));
+  }
+};
+// z as signed 32-bit integers: every boundary and every z but one NaN pattern are positive.
+template <bool Signed>
+MFA_Q8_HOT __m256i q8_counts(const Quant<Signed>& q, __m256i z, int& unsure) {
+  __m256i r = _mm256_setzero_si256();
+  for (int k = 0; k < 7; ++k) r = _mm256_sub_epi32(r, _mm256_cmpgt_epi32(z, q.bound[k]));  // a true mask is -1
+  const __m256i above = _mm256_cmpgt_epi32(z, q.bound[7]);
+  const __m256 f = _mm256_sub_ps(_mm256_mul_ps(_mm256_castsi256_ps(z), _mm256_permutevar8x32_ps(q.a, r)),
+                                 _mm256_permutevar8x32_ps(q.c, r));
+  const __m256 near = _mm256_sub_ps(f, _mm256_round_ps(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m256 abs_near = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), near);
+  unsure = _mm256_movemask_ps(_mm256_andnot_ps(_mm256_castsi256_ps(above), _mm256_cmp_ps(abs_near, q.unsure, _CMP_LE_OQ)));
+  const __m256i p = _mm256_cvttps_epi32(_mm256_min_ps(f, _mm256_permutevar8x32_ps(q.jhi, r)));
+  return _mm256_blendv_epi8(p, q.top, above);
+}
+template <bool Signed>
+MFA_Q8_HOT void quantize(uint8_t* out, F x, const Quant<Signed>& q, bool positive_floor) {
   const __m256i u = _mm256_castps_si256(x);
-  const __m256i key = _mm256_xor_si256(u, _mm256_or_si256(_mm256_srai_epi32(u, 31), _mm256_set1_epi32(INT32_MIN)));
-  const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(map.bucket), _mm256_srli_epi32(key, 16), 4);
-  // Unsigned 16-bit halves compare correctly as signed 32-bit integers.
-  const __m256i low = _mm256_set1_epi32(0xFFFF);
-  const __m256i up = _mm256_cmpgt_epi32(_mm256_and_si256(key, low), _mm256_and_si256(e, low));
-  __m256i c = _mm256_sub_epi32(_mm256_srli_epi32(e, 16), up);  // a true mask is -1
-  c = _mm256_and_si256(c, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q)));
-  if (positive_floor) {
+  const __m256i y = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF));
+  int unsure;
+  __m256i c;
+  if (Signed) {
+    const __m256i neg = _mm256_srai_epi32(u, 31);
+    const __m256i p = q8_counts(q, _mm256_sub_epi32(y, neg), unsure);
+    c = _mm256_blendv_epi8(_mm256_add_epi32(q.zero, p), _mm256_sub_epi32(q.zero, _mm256_min_epu32(p, q.zero)), neg);
+    if (positive_floor) {
+      const __m256i pos = _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ));
+      c = _mm256_max_epu32(c, _mm256_and_si256(pos, q.one));
+    }
+    c = _mm256_and_si256(c, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q)));  // NaN -> 0
+  } else {
+    // Below zero, at zero and NaN: code 0; above zero the count (at least 1 with the floor).
     const __m256i pos = _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ));
-    c = _mm256_max_epu32(c, _mm256_and_si256(pos, _mm256_set1_epi32(1)));
+    c = q8_counts(q, y, unsure);
+    if (positive_floor) c = _mm256_max_epu32(c, q.one);
+    c = _mm256_and_si256(c, pos);
   }
   const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
   _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(w, w));
+  if (__builtin_expect(unsure != 0, 0)) {
+    alignas(32) float t[W];
+    _mm256_store_ps(t, x);
+    recheck(out, t, unsigned(unsure), *q.map, positive_floor);
+  }
 }
 #else
-// Scalar and NEON: the same operations one lane at a time (NEON has no gather).
+// Scalar and NEON: the same operations one lane at a time (NEON has no gather); the search
+// vectorized on NEON.
 struct Acc { uint32_t lane[W]; };
 inline Acc acc_zero() { return Acc{}; }
 constexpr bool kBlockDequant = false;  // the per-vector gather or lane loop
@@ -157,20 +250,81 @@ inline F clamp(F u, F lo, F hi) {
   }
   return Vec::load(t);
 }
-inline void quantize(uint8_t* out, F x, const Q8Map& map, bool positive_floor) {
-  float t[W];
-  Vec::store(t, x);
-  for (int k = 0; k < W; ++k) {
-    const float v = t[k];
-    const uint32_t u = bits_of(v);
-    const uint32_t key = u ^ ((u >> 31 ? 0xFFFFFFFFu : 0u) | 0x80000000u);
-    const uint32_t e = map.bucket[key >> 16];
-    uint32_t c = (e >> 16) + ((key & 0xFFFFu) > (e & 0xFFFFu) ? 1u : 0u);
-    if (v != v) c = 0;
-    if (positive_floor && c == 0 && v > 0.0f) c = 1;
-    out[k] = uint8_t(c);
+#if defined(MFA_ISA_NEON)
+// The AVX2 path's search on 4 lanes: the region by comparisons with the eight boundaries,
+// regions 0..7's constants by byte table lookups (tbl), region 8 by select.
+template <bool Signed>
+struct Quant {
+  const Q8Map* map;
+  uint8x16x2_t a, c, jhi;  // regions 0..7's constants as 32 table bytes each
+  uint32x4_t bound[8], top, zero;
+  float32x4_t unsure;
+  static uint8x16x2_t bytes8(const float* t) {
+    return uint8x16x2_t{{vreinterpretq_u8_f32(vld1q_f32(t)), vreinterpretq_u8_f32(vld1q_f32(t + 4))}};
+  }
+  explicit Quant(const Q8Map& m)
+      : map(&m), a(bytes8(m.a)), c(bytes8(m.c)), jhi(bytes8(m.jhi)), top(vdupq_n_u32(uint32_t(m.jhi[8]))),
+        zero(vdupq_n_u32(m.zero)), unsure(vdupq_n_f32(m.unsure)) {
+    for (int k = 0; k < 8; ++k) bound[k] = vdupq_n_u32(m.boundaries[k]);
+  }
+};
+template <bool Signed>
+inline uint32x4_t q8_counts(const Quant<Signed>& q, uint32x4_t z, bool& unsure) {
+  uint32x4_t r = vdupq_n_u32(0);
+  for (int k = 0; k < 7; ++k) r = vsubq_u32(r, vcgtq_u32(z, q.bound[k]));  // a true mask is -1
+  const uint32x4_t above = vcgtq_u32(z, q.bound[7]);
+  // Byte indices 4r..4r+3 of each lane's constant.
+  const uint8x16_t idx = vreinterpretq_u8_u32(vaddq_u32(vmulq_n_u32(r, 0x04040404u), vdupq_n_u32(0x03020100u)));
+  const float32x4_t a = vreinterpretq_f32_u8(vqtbl2q_u8(q.a, idx)), c = vreinterpretq_f32_u8(vqtbl2q_u8(q.c, idx));
+  const float32x4_t hi = vreinterpretq_f32_u8(vqtbl2q_u8(q.jhi, idx));
+  const float32x4_t f = vsubq_f32(vmulq_f32(vreinterpretq_f32_u32(z), a), c);
+  const uint32x4_t near = vcleq_f32(vabsq_f32(vsubq_f32(f, vrndnq_f32(f))), q.unsure);  // false for NaN
+  unsure = vmaxvq_u32(vbicq_u32(near, above)) != 0;
+  // f below the region's top count, else (and for a NaN estimate) that count.
+  const uint32x4_t p = vcvtq_u32_f32(vbslq_f32(vcltq_f32(f, hi), f, hi));
+  return vbslq_u32(above, q.top, p);
+}
+template <bool Signed>
+inline void quantize(uint8_t* out, F x, const Quant<Signed>& q, bool positive_floor) {
+  const uint32x4_t u = vreinterpretq_u32_f32(x), one = vdupq_n_u32(1);
+  const uint32x4_t y = vandq_u32(u, vdupq_n_u32(0x7FFFFFFFu));
+  const uint32x4_t neg = vcltq_s32(vreinterpretq_s32_u32(u), vdupq_n_s32(0));
+  const uint32x4_t pos = vcgtq_f32(x, vdupq_n_f32(0.0f));
+  bool unsure;
+  uint32x4_t c;
+  if (Signed) {
+    const uint32x4_t p = q8_counts(q, vsubq_u32(y, neg), unsure);
+    c = vbslq_u32(neg, vsubq_u32(q.zero, vminq_u32(p, q.zero)), vaddq_u32(q.zero, p));
+    if (positive_floor) c = vbslq_u32(pos, vmaxq_u32(c, one), c);
+    c = vandq_u32(c, vceqq_f32(x, x));  // NaN -> 0
+  } else {
+    // Below zero, at zero and NaN: code 0; above zero the count (at least 1 with the floor).
+    c = q8_counts(q, y, unsure);
+    if (positive_floor) c = vmaxq_u32(c, one);
+    c = vandq_u32(c, pos);
+  }
+  const uint8x8_t b = vmovn_u16(vcombine_u16(vmovn_u32(c), vmovn_u32(c)));
+  vst1_lane_u32(reinterpret_cast<uint32_t*>(out), vreinterpret_u32_u8(b), 0);
+  if (unsure) {
+    float t[W];
+    vst1q_f32(t, x);
+    recheck(out, t, 0xFu, *q.map, positive_floor);
   }
 }
+#else
+// One lane at a time: q8_search.h's definition itself.
+template <bool Signed>
+struct Quant {
+  const Q8Map* map;
+  explicit Quant(const Q8Map& m) : map(&m) {}
+};
+template <bool Signed>
+inline void quantize(uint8_t* out, F x, const Quant<Signed>& q, bool positive_floor) {
+  float t[W];
+  Vec::store(t, x);
+  for (int k = 0; k < W; ++k) out[k] = q8_code(t[k], *q.map, positive_floor);
+}
+#endif  // MFA_ISA_NEON
 #endif
 
 inline float from_bits(uint32_t u) { float f; __builtin_memcpy(&f, &u, 4); return f; }
@@ -190,6 +344,8 @@ void adam8bit_blocks(const Q8Job& job, int64_t b0, int64_t b1) {
   float* const absmax1 = job.absmax1;
   float* const absmax2 = job.absmax2;
   const Q8Map map1 = job.map1, map2 = job.map2;
+  const Quant<true> quant1(map1);  // the first moment's map is signed, the second's not (adam8bit.cpp checks)
+  const Quant<false> quant2(map2);
   const int64_t n = job.n;
   const uint32_t sr_key = job.sr_key;
   alignas(64) float mb[kQ8Block], vb[kQ8Block];
@@ -260,13 +416,13 @@ void adam8bit_blocks(const Q8Job& job, int64_t b0, int64_t b1) {
     const float s1 = from_bits(acc_reduce(mx1)), s2 = from_bits(acc_reduce(mx2));
     const F inv1 = Vec::set1(s1 == 0.0f ? 0.0f : 1.0f / s1), inv2 = Vec::set1(s2 == 0.0f ? 0.0f : 1.0f / s2);
     for (j = 0; j + W <= len; j += W) {
-      quantize(codes1 + lo + j, Vec::load(mb + j) * inv1, map1, false);
-      quantize(codes2 + lo + j, Vec::load(vb + j) * inv2, map2, true);
+      quantize(codes1 + lo + j, Vec::load(mb + j) * inv1, quant1, false);
+      quantize(codes2 + lo + j, Vec::load(vb + j) * inv2, quant2, true);
     }
     if (r > 0) {
       uint8_t q1[W], q2[W];
-      quantize(q1, Vec::load(mb + j) * inv1, map1, false);
-      quantize(q2, Vec::load(vb + j) * inv2, map2, true);
+      quantize(q1, Vec::load(mb + j) * inv1, quant1, false);
+      quantize(q2, Vec::load(vb + j) * inv2, quant2, true);
       for (int k = 0; k < r; ++k) {
         codes1[lo + j + k] = q1[k];
         codes2[lo + j + k] = q2[k];
@@ -316,9 +472,27 @@ void adam8bit_floor_blocks(const Q8Job& job, int64_t b0, int64_t b1) {
   }
 }
 
+template <bool Signed>
+void quantize_map(const float* x, int64_t n, const Q8Map& map, bool positive_floor, uint8_t* out) {
+  const Quant<Signed> q(map);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) quantize(out + i, Vec::load(x + i), q, positive_floor);
+  if (i < n) {
+    float t[W] = {};
+    uint8_t c[W];
+    for (int64_t k = 0; k < n - i; ++k) t[k] = x[i + k];
+    quantize(c, Vec::load(t), q, positive_floor);
+    for (int64_t k = 0; k < n - i; ++k) out[i + k] = c[k];
+  }
+}
+inline void quantize_n(const float* x, int64_t n, const Q8Map& map, bool positive_floor, uint8_t* out) {
+  (map.is_signed ? quantize_map<true> : quantize_map<false>)(x, n, map, positive_floor, out);
+}
+
 }  // namespace q8
 
 inline void fill_adam8bit(IsaTable& t) {
+  t.q8_quantize = q8::quantize_n;
   t.adam8bit[int(Q8Param::F32)] = q8::adam8bit_blocks<float>;
   t.adam8bit[int(Q8Param::F16)] = q8::adam8bit_blocks<mfa::f16>;
   t.adam8bit[int(Q8Param::BF16)] = q8::adam8bit_blocks<mfa::bf16>;

@@ -106,15 +106,24 @@ struct Adam8bitScalars {
 };
 static_assert(sizeof(Adam8bitScalars) == 48, "must match lowbit.ADAM8BIT_STRUCT");
 
-// One 8-bit map as the CPU quantizer reads it: the 256 code values, and per 2^16 fp32 bit
-// patterns (a bucket of order keys: value order) the count of midpoints below the bucket in the
-// high half and the low 16 key bits of the one midpoint inside it (0xFFFF if none) in the low
-// half. No bucket of either map holds two midpoints (checked when the table is built), so one
-// load and one integer comparison find the nearest code.
+// One 8-bit map as the CPU quantizer reads it (lowbit.kernel_table: the code values, and the
+// region constants of its nearest-code search, q8_search.h). A map's positive half has midpoints
+// M_0..M_N; the count of them below x > 0 is the code's distance from the zero code.
 struct Q8Map {
   const float* values;
-  const uint32_t* bucket;  // 65536 entries
-  const uint8_t* bytes;  // the code values' bits as four 256-byte planes, lowest byte first
+  const uint8_t* bytes;       // the code values' bits as four 256-byte planes, lowest byte first
+  const uint32_t* mid_bits;   // M_0..M_N as fp32 bits
+  const float* a;             // per region (0..8, padded to 16): the estimate x * a - c of the count
+  const float* c;
+  const float* jhi;           // per region: the largest count in it (as fp32)
+  const float* jlo;           // per region: the smallest midpoint the correction may test
+  const int32_t* region;      // per binade index (q8_binade): the regions below that binade
+  const uint32_t* boundary;   // per binade index: the bits of the region boundary in it, or 0x7FFFFFFF
+  const uint32_t* boundaries; // the 8 region boundaries' bits, ascending (paths that compare)
+  float unsure;  // the estimate's largest error at a midpoint: a fast path rechecks lanes this close to an integer
+  uint32_t zero;   // the zero code: 127 (signed) or 0 (unsigned)
+  uint32_t top;    // N, the last positive-half midpoint
+  uint32_t is_signed;
 };
 
 struct Q8Job {
@@ -133,12 +142,17 @@ struct Q8Job {
 // Blocks [b0, b1) of one job, for one param storage (Q8Param).
 using Q8Fn = void (*)(const Q8Job&, int64_t b0, int64_t b1);
 enum class Q8Param : int { F32 = 0, F16, BF16, BF16SR, Count };
+// Codes of x[0..n) on one map, as the 8-bit step quantizes (the tests' window onto the search).
+using Q8QuantizeFn = void (*)(const float* x, int64_t n, const Q8Map& map, bool positive_floor, uint8_t* out);
 
 struct IsaTable {
   const char* name;
   SpanFn fn[static_cast<int>(RuleId::Count)][static_cast<int>(Combo::Count)];
   Q8Fn adam8bit[static_cast<int>(Q8Param::Count)];
   Q8Fn adam8bit_floor[static_cast<int>(Q8Param::Count)];  // the benchmark's memory floor
+  Q8QuantizeFn q8_quantize;  // the 8-bit kernel's nearest-code search alone (tests)
 };
 
 }  // namespace mfa
+
+#include "q8_search.h"

@@ -7,6 +7,7 @@
 // NEON runs under qemu-aarch64 on x86-64 machines, the x86 builds natively where the CPU has them.
 #include <cstdint>
 #include <cstdio>
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -185,7 +186,7 @@ void check_rule(const char* name, const IsaTable& a, const IsaTable& b, Rng& rng
   total.failed += c.failed;
 }
 
-int main() {
+int main(int argc, char** argv) {
   const IsaTable a = isa_scalar::table(), b = MFA_NATIVE_NS::table();
   std::mt19937 rng(7);
   std::uniform_int_distribution<int> dist(-512, 512);
@@ -196,19 +197,60 @@ int main() {
   MFA_RULES(MFA_CHECK_RULE)
 #undef MFA_CHECK_RULE
   int passed = total.passed, failed = total.failed;
-  // 8-bit Adam (adam8bit_kernel.h): every param storage, both modes, whole and partial blocks,
-  // on cubic maps (dense near +-1, sparse near 0, as the dynamic maps are).
-  float v1[256], v2[256], m1[255], m2[255];
-  for (int i = 0; i < 256; ++i) {
-    const float t = (i - 127.5f) / 127.5f, u = i / 255.0f;
-    v1[i] = t * t * t;
-    v2[i] = u * u * u;
+  // 8-bit Adam (adam8bit_kernel.h) on lowbit's two maps (their kernel tables, written to the file
+  // named by argv[1] by test_native_isa.py): first the nearest-code search of both builds against
+  // a plain count of the midpoints below x, on every fp32 near every midpoint; then the whole
+  // step in every param storage, both modes, whole and partial blocks.
+  if (argc < 2) {
+    std::printf("usage: isa_parity KERNEL_TABLES (lowbit.kernel_table(True) then (False), fp32)\n");
+    return 2;
   }
-  for (int i = 0; i < 255; ++i) {
-    m1[i] = (v1[i] + v1[i + 1]) * 0.5f;
-    m2[i] = (v2[i] + v2[i + 1]) * 0.5f;
+  std::vector<float> kt(2 * kKtSize);
+  FILE* f = std::fopen(argv[1], "rb");
+  if (!f || std::fread(kt.data(), 4, kt.size(), f) != kt.size()) {
+    std::printf("cannot read %s\n", argv[1]);
+    return 2;
   }
-  const auto t1 = build_q8_tables(v1, m1), t2 = build_q8_tables(v2, m2);
+  std::fclose(f);
+  const auto t1 = build_q8_tables(kt.data()), t2 = build_q8_tables(kt.data() + kKtSize);
+  for (const Q8Tables* t : {t1.get(), t2.get()}) {
+    const float* mids = t->table.data() + kKtMids;
+    std::vector<float> xs = {0.0f, -0.0f, 1.0f, -1.0f, 2.0f, -2.0f, INFINITY, -INFINITY, NAN, -NAN, 1e-45f, -1e-45f,
+                             1e-39f, -1e-39f, 1e-30f, -1e-30f, 3.4e38f, -3.4e38f};
+    for (int j = 0; j < kCodes - 1; ++j)
+      for (float sign : {1.0f, -1.0f}) {
+        float up = sign * mids[j], down = up;
+        xs.push_back(up);
+        for (int k = 0; k < 3; ++k) {
+          up = std::nextafter(up, INFINITY);
+          down = std::nextafter(down, -INFINITY);
+          xs.push_back(up);
+          xs.push_back(down);
+        }
+      }
+    for (int k = 0; k < 20000; ++k) xs.push_back(std::ldexp(float(dist(rng)) / 512.0f, -int(rng() % 30)));
+    for (bool floor : {false, true}) {
+      std::vector<uint8_t> want(xs.size()), got_a(xs.size()), got_b(xs.size());
+      for (size_t i = 0; i < xs.size(); ++i) {
+        int c = 0;
+        for (int j = 0; j < kCodes - 1; ++j) c += mids[j] < xs[i];
+        if (xs[i] != xs[i]) c = 0;
+        if (floor && c == int(t->zero) && xs[i] > 0.0f && !t->is_signed) c = 1;
+        want[i] = uint8_t(c);
+      }
+      const Q8Map m = t->view();
+      a.q8_quantize(xs.data(), int64_t(xs.size()), m, floor && !t->is_signed, got_a.data());
+      b.q8_quantize(xs.data(), int64_t(xs.size()), m, floor && !t->is_signed, got_b.data());
+      int bad = 0;
+      for (size_t i = 0; i < xs.size(); ++i)
+        if (got_a[i] != want[i] || got_b[i] != want[i]) {
+          if (++bad <= 5)
+            std::printf("MISMATCH quantize %s map: x %a want %d %s %d %s %d\n", t->is_signed ? "signed" : "unsigned",
+                        xs[i], want[i], a.name, got_a[i], b.name, got_b[i]);
+        }
+      bad ? ++failed : ++passed;
+    }
+  }
   const int q8_sizes[] = {1, 5, 256, 300, 1000};
   for (int permute = 1; permute >= 0; --permute)
   for (int kind = 0; kind < int(Q8Param::Count); ++kind) {

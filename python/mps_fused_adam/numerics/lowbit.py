@@ -175,28 +175,76 @@ def pack_adam8bit(hp) -> bytes:
     return struct.pack(ADAM8BIT_STRUCT, *adam8bit_scalars(hp))
 
 
-QUANT_BUCKET_SHIFT = 20  # the quantizer's start table: one entry per 2^20 fp32 bit patterns
+# The kernels' quantizer (the nearest-code search, without a search): a map's positive half is
+# seven decades of equally spaced codes (DECADE_SIZES), so inside a decade the count of midpoints
+# below x is an affine function of x, up to a few ulps. A kernel finds x's region (which decade,
+# or below the first / above the last positive midpoint) from x's binary exponent and one
+# comparison with the one region boundary (a midpoint) in that binade, evaluates the region's
+# affine estimate ``f = x * a - c`` (fp32, two roundings) and corrects it against one midpoint:
+# code count = ``j + (x > mid[j])`` with ``j = clamp(rint(f) - 1, jlo, jhi)``. The result is the
+# contract's count of midpoints below x exactly, whatever the estimate's rounding, as long as it
+# is within half a code of the truth (the CPU builder measures it: under 2e-5 for both maps).
+KT_VALUES, KT_MIDS = 0, 256  # offsets in kernel_table: 256 code values, 255 midpoints, a pad
+KT_A, KT_C, KT_JHI, KT_JLO = 512, 528, 544, 560  # per region (0..8, padded to 16): a, c, jhi, jlo
+KT_REGION, KT_BOUNDARY = 576, 608  # per binade index (0..31): regions below it, its boundary's bits
+KT_SIZE = 640
+BINADE_BIAS = 96  # binade index = min(max(biased exponent, 96), 127) - 96
 
 
-def _order_keys(x: torch.Tensor) -> torch.Tensor:
-    """fp32 values as int64 keys in the order of the values (sign-magnitude bits made monotonic)."""
-    u = x.contiguous().view(torch.int32).to(torch.int64) & _M32
-    return torch.where(u >= 0x80000000, _M32 - u, u | 0x80000000)
+def decade_sizes(signed: bool) -> list[int]:
+    """Codes per decade of the positive half (:func:`_dynamic_map_cpu`'s construction)."""
+    return [2 ** i if signed else 2 ** (i + 1) for i in range(7)]
+
+
+def _quantizer_constants(signed: bool) -> torch.Tensor:
+    """The region tables of :data:`KT_A` onwards as fp32 bits (int32), for the positive half of
+    the map: midpoints ``M_j`` (``j = 0..N``), the code count of x > 0 is ``#{M_j < x}``."""
+    values = _dynamic_map_cpu(signed).double()
+    mids = _midpoints_cpu(signed)
+    zero = SIGNED_ZERO_CODE if signed else UNSIGNED_ZERO_CODE
+    pos, m = values[zero + 1:255], mids[zero:]
+    n_top = m.numel() - 1
+    sizes = decade_sizes(signed)
+    starts = [sum(sizes[:d]) for d in range(7)]
+    bounds = [0] + starts[1:] + [n_top]  # region r (1..7, decade r - 1) lies in (M[bounds[r-1]], M[bounds[r]]]
+    a, c = [0.0] * 16, [-(n_top + 1.5)] * 16  # regions 8..15: above the last midpoint
+    jlo, jhi = [float(n_top)] * 16, [float(n_top + 1)] * 16
+    c[0], jlo[0], jhi[0] = -0.5, 0.0, 0.0  # region 0: at or below the first midpoint
+    for d, (s, n) in enumerate(zip(starts, sizes)):
+        r = d + 1
+        jlo[r], jhi[r] = float(bounds[r - 1]), float(bounds[r])
+        if n == 1:
+            c[r] = -(bounds[r] + 0.5)  # no midpoint inside: the count is constant
+            continue
+        step = float(pos[s + n - 1] - pos[s]) / (n - 1)
+        low = float(pos[s]) - step / 2  # where the decade's first inner midpoint's count starts
+        a[r], c[r] = 1.0 / step, low / step - s - 1
+    bits = lambda t: torch.tensor(t, dtype=torch.float32).view(torch.int32)  # noqa: E731
+    boundary = [int(b) for b in m[bounds].view(torch.int32)]
+    region, above = [0] * 32, [0x7FFFFFFF] * 32
+    for k in range(32):
+        low_bits = (k + BINADE_BIAS) << 23  # the binade's smallest fp32
+        region[k] = sum(b < low_bits for b in boundary) if k else 0
+        inside = [b for b in boundary if low_bits <= b < low_bits + (1 << 23)]
+        if k == 31:
+            region[k], inside = len(boundary), []  # 1.0 and above, inf included
+        assert len(inside) <= 1, "two region boundaries in one binade"
+        if inside:
+            above[k] = inside[0]
+    ints = lambda t: torch.tensor(t, dtype=torch.int32)  # noqa: E731
+    return torch.cat([bits(a), bits(c), bits(jhi), bits(jlo), ints(region), ints(above)])
 
 
 @lru_cache(maxsize=None)
 def _kernel_table_cpu(signed: bool) -> torch.Tensor:
-    mids = _midpoints_cpu(signed)
-    starts = torch.arange(1 << (32 - QUANT_BUCKET_SHIFT), dtype=torch.int64) << QUANT_BUCKET_SHIFT
-    # For each bucket of order keys, the midpoints strictly below all of it: a quantizer starts
-    # there and steps up while mid < x (a few steps), instead of searching all 255.
-    counts = torch.searchsorted(_order_keys(mids), starts, right=False).float()
-    return torch.cat([_dynamic_map_cpu(signed), mids, torch.zeros(1), counts]).contiguous()
+    head = torch.cat([_dynamic_map_cpu(signed), _midpoints_cpu(signed), torch.zeros(1)]).view(torch.int32)
+    return torch.cat([head, _quantizer_constants(signed)]).view(torch.float32).contiguous()
 
 
 def kernel_table(signed: bool, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The kernels' table of one map (fp32): its 256 code values, its 255 midpoints, one pad
-    entry, then 4096 quantizer start counts (small integers, exact in fp32)."""
+    """The kernels' table of one map (:data:`KT_SIZE` fp32 words): its 256 code values, its 255
+    midpoints, one pad entry, then the quantizer's region constants (:data:`KT_A` to
+    :data:`KT_BOUNDARY`; the last two as int32 words: region counts, boundaries' fp32 bits)."""
     device = torch.device(device)
     return _kernel_table_cpu(bool(signed)) if device.type == "cpu" else _kernel_table_on(bool(signed), device)
 
