@@ -18,10 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import integration_support as integration
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+transformers = integration.require("transformers")
+integration.require("accelerate")
 
 import mps_fused_adam as mfa  # noqa: E402
 from mps_fused_adam.optimizers import consumed_grads  # noqa: E402
@@ -233,10 +235,12 @@ mps_fused_adam.deepspeed.install()
 import torch, transformers
 sys.path.insert(0, os.environ["MFA_TEST_DIR"])
 import test_integration_hf as t
-ds_config = {"train_micro_batch_size_per_gpu": t.BATCH, "gradient_accumulation_steps": 1,
-             "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
+ds_config = {"train_micro_batch_size_per_gpu": t.BATCH, "gradient_accumulation_steps": "auto",
+             "gradient_clipping": "auto", "train_batch_size": "auto",
+             "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
-model, trainer, losses, _ = t.fit(sys.argv[1], deepspeed=ds_config, use_cpu=False, max_grad_norm=0.0)
+model, trainer, losses, _ = t.fit(sys.argv[1], deepspeed=ds_config, use_cpu=False, max_grad_norm=0.0,
+                                  weight_decay=0.01)
 print("MFA-RESULT", json.dumps({"losses": losses, "calls": mps_fused_adam.deepspeed.kernel_calls(),
                                 "optimizer": type(trainer.optimizer.optimizer).__name__}))
 """
