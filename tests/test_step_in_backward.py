@@ -450,3 +450,117 @@ def test_docs_memory_tables_are_the_checked_in_measurements():
         assert table.strip() in doc
     for config, bpp in rows:  # and the first table's figures
         assert f"| {bpp:.2f} |" in doc, config
+
+
+# --- Reads and gradients the hooks cannot step bit for bit: refused, or raised by autograd -------------
+
+def _torch_recipe(params):
+    """torch's documented per-parameter recipe: a torch.optim.AdamW per param, stepped from its hook."""
+    opts = {p: torch.optim.AdamW([p], lr=1e-2) for p in params}
+
+    def hook(p):
+        opts[p].step()
+        opts[p].zero_grad()
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+    return opts
+
+
+def _shared_layer_model(kind, reentrant, seed=0):
+    """A layer shared by three checkpointed blocks (ALBERT), or used inside and outside one block."""
+    import torch.utils.checkpoint as cp
+    torch.manual_seed(seed)
+    lin, head = torch.nn.Linear(6, 6), torch.nn.Linear(6, 1)
+
+    def loss_of(x):
+        def block(h):
+            return torch.tanh(lin(h))
+        if kind == "shared":
+            h = x
+            for _ in range(3):
+                h = cp.checkpoint(block, h, use_reentrant=reentrant)
+        else:
+            h = cp.checkpoint(block, x, use_reentrant=reentrant) + lin(x)
+        return head(h).pow(2).sum()
+    return [*lin.parameters(), *head.parameters()], loss_of
+
+
+@pytest.mark.parametrize("kind", ["shared", "inside_and_outside"])
+def test_reentrant_checkpointing_is_refused(kind):
+    """torch's recipe steps the shared layer once per gradient part (3 steps in one backward, or 2);
+    the plain step takes 1. Ours refuses, naming the case and the way out."""
+    x = torch.randn(4, 6, requires_grad=True)
+    params, loss_of = _shared_layer_model(kind, reentrant=True)
+    opts = _torch_recipe(params)
+    loss_of(x).backward()
+    assert int(opts[params[0]].state[params[0]]["step"]) == (3 if kind == "shared" else 2)
+
+    params, loss_of = _shared_layer_model(kind, reentrant=True)
+    opt = mfa.AdamW(params, lr=1e-2, step_in_backward=True)
+    with pytest.raises(RuntimeError, match=r"cannot step from a backward run inside another backward \(reentrant "
+                                           r"checkpointing.*use_reentrant=False"):
+        loss_of(x).backward()
+    # The shared layer was refused before its first part was stepped, or (used outside the block
+    # too) stepped once, by its outer part, which the error says.
+    assert int((opt.state.get(params[0]) or {}).get("step", 0)) == (0 if kind == "shared" else 1)
+
+
+@pytest.mark.parametrize("kind", ["shared", "inside_and_outside"])
+def test_non_reentrant_checkpointing_is_bit_identical(kind):
+    x = torch.randn(4, 6, requires_grad=True)
+    runs = []
+    for on in (False, True):
+        params, loss_of = _shared_layer_model(kind, reentrant=False)
+        opt = mfa.AdamW(params, lr=1e-2, step_in_backward=on)
+        for _ in range(3):
+            loss_of(x).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append((opt, params))
+    (a, pa), (b, pb) = runs
+    same_state(a, b, pa, pb)
+    assert int(b.state[pb[0]]["step"]) == 3
+
+
+def _detached_read_model(saved, seed=0):
+    """``w`` read with a gradient and through ``.detach()`` (VQ-VAE codebooks, BYOL targets): by a
+    matmul, which saves ``w.detach()`` for the gradient of ``h``, or by an add, which saves nothing."""
+    torch.manual_seed(seed)
+    w, u = torch.nn.Parameter(torch.randn(6, 6)), torch.nn.Parameter(torch.randn(6, 6))
+
+    def loss_of(x):
+        h = torch.tanh(x @ u)
+        read = (h @ w.detach()) if saved else (h + w.detach()[0])
+        return read.pow(2).sum() + (x @ w).pow(2).sum()
+    return [w, u], loss_of
+
+
+def test_a_detached_read_autograd_saved_raises_as_torchs_recipe_does():
+    """The step bumps w's version counter, which w.detach() shares: autograd raises when it unpacks
+    the saved view after w's hook stepped w, as it does for torch's recipe. Without the bump, u's
+    gradient was computed from the stepped w and the run drifted from the plain step's."""
+    x = torch.randn(4, 6)
+    params, loss_of = _detached_read_model(saved=True)
+    _torch_recipe(params)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss_of(x).backward()
+    params, loss_of = _detached_read_model(saved=True)
+    opt = mfa.AdamW(params, lr=1e-2, step_in_backward=True)  # noqa: F841  (hooks hold it weakly)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss_of(x).backward()
+
+
+def test_a_detached_read_autograd_does_not_save_is_bit_identical():
+    """What backward never reads again cannot see the stepped value."""
+    x = torch.randn(4, 6)
+    runs = []
+    for on in (False, True):
+        params, loss_of = _detached_read_model(saved=False)
+        opt = mfa.AdamW(params, lr=1e-2, step_in_backward=on)
+        for _ in range(3):
+            loss_of(x).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append((opt, params))
+    (a, pa), (b, pb) = runs
+    same_state(a, b, pa, pb)

@@ -9,6 +9,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from ..backends import get_backend, update_staged
+from ..backends.versions import bump
 from ..numerics.contract import AdamHyper
 
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
@@ -108,4 +109,5 @@ def _update(op: str, params: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
         for (device, _, _), (ps, gs, ms, vs) in groups.items():
             backend = get_backend(device)
             update_staged(backend, "adam", ps, gs, [ms, vs], hp)
+            bump(ps)  # detached views: the caller's tensors' counters (versions.py)
             _count(op, backend.name)

@@ -34,6 +34,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from ..backends import get_backend, update_staged
+from ..backends.versions import bump
 from ..numerics.contract import AdagradHyper, LionHyper
 from .op_support import _check, _count, cpu_weight_decay
 
@@ -71,6 +72,7 @@ def _update(op: str, rule: str, params: Sequence[torch.Tensor], grads: Sequence[
         for (device, _, _), lists in groups.items():
             backend = get_backend(device)
             update_staged(backend, rule, lists[0], lists[1], lists[2:], hp)
+            bump(lists[0])  # detached views: the caller's tensors' counters (versions.py)
             _count(op, backend.name)
 
 

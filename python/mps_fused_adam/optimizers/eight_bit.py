@@ -16,6 +16,7 @@ from ..numerics import lowbit
 from ..numerics.contract import AdamHyper
 from ..numerics.lowbit import MIN_8BIT_SIZE, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE, num_blocks
 from ..backends import CPUBackend, get_backend, update_staged
+from ..backends.versions import bump
 from .fused import _optimizer_method, load_state_dict_with_hooks
 from .step_entry import fast_step_entry
 from ..numerics.reference_lowbit import reference_adam8bit_, reference_adam_sr_
@@ -209,6 +210,7 @@ class _Adam8bitBase(torch.optim.Optimizer):
                 _cpu_adam8bit_many([(p, st, hp, key)])
             else:  # contiguous: what update_staged hands the backend
                 backend.update("adam", [p], [g], [[st["exp_avg"]], [st["exp_avg_sq"]]], hp)
+            bump((p,))
             return
         self._step_params([(gi, group, [(pi, p)])])
 
@@ -282,6 +284,7 @@ class _Adam8bitBase(torch.optim.Optimizer):
             ps = [m[0] for m in members]
             update_staged(backends[ps[0].device], "adam", ps, [p.grad for p in ps],
                           [[m[1]["exp_avg"] for m in members], [m[1]["exp_avg_sq"] for m in members]], members[0][2])
+        bump([p for _, p in work])
 
 
 _PARAM_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}

@@ -18,7 +18,8 @@ import torch
 
 from . import dtensor, in_backward, sr_seeds, step_counts, step_plan, torch_args, validate
 from .step_entry import fast_step_entry
-from ..backends import SUPPORTED_DTYPES, get_backend, update_staged
+from ..backends import SUPPORTED_DTYPES, Addressed, get_backend, update_staged
+from ..backends.versions import bump
 from ..numerics.contract import RULES, AdagradHyper, AdamHyper, LionHyper
 
 _Params = Iterable[Any]
@@ -244,19 +245,24 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 # Stochastic rounding needs a fresh per-tensor key each step, which the cached
                 # plans do not carry: such groups always take the full path and are not planned.
                 plans.pop(gi, None)
-                work.append((gi, group, None, self._plan_group(gi, group)))
+                work.append((gi, group, None, self._plan_full(gi, group)))
                 continue
             plan = plans.get(gi)
             fast = step_plan.check(plan, group["params"]) if isinstance(plan, step_plan.Plan) else None
-            work.append((gi, group, plan, fast) if fast is not None else (gi, group, plan, self._plan_group(gi, group)))
+            work.append((gi, group, plan, fast) if fast is not None else (gi, group, plan, self._plan_full(gi, group)))
         replan = []
         for gi, group, plan, planned in work:
             if isinstance(planned, list):
                 self._step_planned(group, plan, planned)
-            else:
-                self._step_full(group, *planned[1:])
-                if not group.get("bf16_stochastic_round"):
-                    replan.append((gi, group, plan))
+                continue
+            first, later = planned
+            self._step_full(group, *first[1:])
+            for sub in later:  # a param's further appearances in the group, one round each
+                self._step_full(group, *self._plan_group(gi, sub, [self.state.get(p) or None for p in sub["params"]])[1:])
+            if later:
+                plans.pop(gi, None)  # a plan's one kernel call per bucket would update such a param from two threads
+            elif not group.get("bf16_stochastic_round"):
+                replan.append((gi, group, plan))
         if replan:
             self._replan(plans, replan)
         return loss
@@ -283,9 +289,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 if planned is not None:
                     self._step_planned(group, plan, planned)
                     return
-        one = dict(group)
-        one["params"] = [p]
-        one["param_names"] = [self._param_name(group, gi, pi)]
+        one = self._subgroup(group, gi, [pi])
         self._step_full(*self._plan_group(gi, one, [self.state.get(p) or None]))
         native = step_plan.native()
         plan = step_plan.build(native, one["params"], self.state, self._state_names) \
@@ -294,6 +298,26 @@ class _FusedOptimizer(torch.optim.Optimizer):
             plans[id(p)] = (plan, self.state, self.state.get(p), self._fixed_state_dtype)
         else:
             plans.pop(id(p), None)
+
+    def _subgroup(self, group: dict[str, Any], gi: int, indices: list[int]) -> dict[str, Any]:
+        """``group`` with only the params at ``indices``, each keeping the name errors give it."""
+        sub = dict(group)
+        sub["params"] = [group["params"][i] for i in indices]
+        sub["param_names"] = [self._param_name(group, gi, i) for i in indices]
+        return sub
+
+    def _plan_full(self, gi: int, group: dict[str, Any]) -> tuple[tuple, list]:
+        """``_plan_group`` of a group, and the sub-groups to step after it when the group holds a
+        param more than once. torch's optimizers warn about such a group (in ``add_param_group``)
+        and update the param once per appearance, one update after the other; here the group's
+        first appearances are stepped first, then each further round of appearances (a step
+        count each), so no kernel call holds a tensor twice (which would race)."""
+        rounds = validate.appearance_rounds(group["params"])
+        if rounds is None:
+            return self._plan_group(gi, group), []
+        subs = [self._subgroup(group, gi, indices) for indices in rounds]
+        first = subs[0]
+        return self._plan_group(gi, first, [self.state.get(p) or None for p in first["params"]]), subs[1:]
 
     def _step_planned(self, group: dict[str, Any], plan: step_plan.Plan, planned: list) -> None:
         plan.uses += 1
@@ -304,8 +328,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
             # The plan holds only contiguous tensors and checked that each grad is: no staging.
             get_backend(bucket.device).update(self._rule, bucket.params, grads, bucket.states,
                                               self._hyper(group, step))
+            bump(bucket.params)
 
     def _step_full(self, group: dict[str, Any], fresh: list, buckets: dict) -> None:
+        # A bucket (_plan_group): params (a DTensor's local shard), grads, one list per state, the
+        # state dicts, and the params as the group holds them (whose version counters autograd reads).
         names = self._state_names
         nstates = len(names)
         for p, pi, slots in fresh:
@@ -317,26 +344,30 @@ class _FusedOptimizer(torch.optim.Optimizer):
             key = (p.device, p.dtype, sd, 0)
             bucket = buckets.get(key)
             if bucket is None:
-                bucket = buckets[key] = tuple([] for _ in range(nstates + 3))
+                bucket = buckets[key] = tuple([] for _ in range(nstates + 4))
             # A DTensor param's new states are DTensors like it (zeros_like): its shards are stepped.
-            bucket[0].append(dtensor.local(p))
             g = p.grad
-            bucket[1].append(dtensor.local(_materialised(g) if g._is_zerotensor() else g))
-            for k, name in enumerate(names):
-                bucket[2 + k].append(dtensor.local(st[name]))
-            bucket[-1].append(st)
+            tensors = (p, _materialised(g) if g._is_zerotensor() else g, *(st[name] for name in names))
+            for lst, t in zip(bucket, tensors):
+                t = dtensor.local(t)
+                lst.append(t)
+                if type(lst) is Addressed:  # a bucket of loaded states at step 0 (_gather_addresses)
+                    lst.addresses.append(t.data_ptr())
+            bucket[-2].append(st)
+            bucket[-1].append(p)
         sr = bool(group.get("bf16_stochastic_round"))
         for (device, pdtype, _, last_step), bucket in buckets.items():
             step = int(last_step) + 1
-            for st in bucket[-1]:
+            for st in bucket[-2]:
                 st["step"] = step
             if sr and pdtype is torch.bfloat16:
                 # Only the Adam rule has this option (_AdamBase's group key).
-                _stochastic_round_step(device, *bucket, self._hyper(group, step),
+                _stochastic_round_step(device, *bucket[:-1], self._hyper(group, step),
                                        functools.partial(sr_seeds.param_seed, self))
             else:
-                update_staged(get_backend(device), self._rule, bucket[0], bucket[1], list(bucket[2:-1]),
+                update_staged(get_backend(device), self._rule, bucket[0], bucket[1], list(bucket[2:-2]),
                               self._hyper(group, step))
+            bump(bucket[-1])
 
     def _step_plans(self) -> dict[int, Any]:
         """The groups' cached plans, or none when the optimizer's state dict has changed since they
@@ -375,7 +406,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         slots = self._slots(gi, params) if slots is None else slots
         supported, strided, only = SUPPORTED_DTYPES, torch.strided, self._device_type
         names = self._state_names
-        nlists = len(names) + 3
+        nlists = len(names) + 4  # see _step_full
         fresh: list = []
         buckets: dict[tuple, tuple] = {}
         fixed_sd = self._fixed_state_dtype
@@ -459,8 +490,39 @@ class _FusedOptimizer(torch.optim.Optimizer):
             bucket[1].append(g)
             for k, t in enumerate(states):
                 bucket[2 + k].append(t)
-            bucket[-1].append(st)
+            bucket[-2].append(st)
+            bucket[-1].append(params[pi])
+        _gather_addresses(buckets, fresh, names, lambda p: self._param_name(group, gi, _index(params, p)))
         return group, fresh, buckets
+
+
+def _index(params: list, p: torch.Tensor) -> int:
+    return next(i for i, q in enumerate(params) if q is p)
+
+
+def _gather_addresses(buckets: dict, fresh: list, state_names: tuple[str, ...],
+                      name_of: Callable[[torch.Tensor], str]) -> None:
+    """Before anything of the step is written: every tensor's address, which a backend reads anyway
+    (each bucket's tensor lists become ``Addressed``), so that a tensor whose storage was freed
+    (``untyped_storage().resize_(0)``: elements, no memory) is refused naming its param here, not
+    by the kernel after other tensors and the step counts were written."""
+    what = ("the param", "its grad", *(f"its state {n!r}" for n in state_names))
+    for key, bucket in buckets.items():
+        lists = list(bucket)
+        for k in range(len(lists) - 2):  # the tensor lists; then the state dicts and the params
+            lst = lists[k] = Addressed(lists[k])
+            lst.addresses = [t.data_ptr() for t in lst]
+            lst.numels = None
+            if 0 in lst.addresses:
+                for i, (t, a) in enumerate(zip(lst, lst.addresses)):
+                    if a == 0:
+                        validate.check_memory(bucket[-1][i], name_of(bucket[-1][i]), t, what[k])
+        buckets[key] = tuple(lists)
+    for p, _, _ in fresh:
+        for k, t in enumerate((p, p.grad)):
+            t = dtensor.local(t)
+            if not t.data_ptr():
+                validate.check_memory(p, name_of(p), t, what[k])
 
 
 class _AdamBase(_FusedOptimizer):
@@ -571,6 +633,11 @@ class AdamW(Adam):
 
     _name = "AdamW"
 
+    def _adopt_group_keys(self, group: dict[str, Any]) -> None:
+        # torch's AdamW.__setstate__ (which its load_state_dict runs) sets this on every group: a
+        # state dict saved by Adam (L2 decay) loads into AdamW as decoupled decay.
+        group[self._mode_key] = True
+
     def __init__(self, params: _Params, lr: float | torch.Tensor = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
                  amsgrad: bool = False, *, maximize: bool = False, foreach: Optional[bool] = None,
@@ -601,7 +668,10 @@ class FusedAdam(_AdamBase):
     _config_attributes = ("set_grad_none",)
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
-        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
+        """DeepSpeed's ``zero_grad()``: grads set to None whatever ``set_grad_none`` says (with
+        ``set_grad_none=False`` DeepSpeed 0.19.8 falls back to torch's ``zero_grad()``, whose default
+        also sets them to None). ``set_to_none=False`` fills them with zeros, as torch's does."""
+        super().zero_grad(True if set_to_none is None else set_to_none)
 
     @fast_step_entry
     def step(self, closure: Optional[Callable[[], Any]] = None, grads: Any = None, output_params: Any = None,
@@ -649,7 +719,8 @@ class Lion(_FusedOptimizer):
     """
 
     _rule = "lion"
-    _state_dict_kind = validate.StateDictKind("Lion", ("betas",), ("eps", "lr_decay"), ("exp_avg",))
+    # lion_pytorch's Lion keeps no step count (nor does its rule use one).
+    _state_dict_kind = validate.StateDictKind("Lion", ("betas",), ("eps", "lr_decay"), ("exp_avg",), has_steps=False)
     _config_attributes = ("_init_lr", "decoupled_wd")
 
     def __init__(self, params: _Params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
@@ -686,7 +757,8 @@ class FusedLion(Lion):
         super().__init__(params, lr=lr, betas=betas, weight_decay=weight_decay, step_in_backward=step_in_backward)
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
-        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
+        """As :meth:`FusedAdam.zero_grad` (DeepSpeed's ``FusedLion`` has the same one)."""
+        super().zero_grad(True if set_to_none is None else set_to_none)
 
     @fast_step_entry
     def step(self, closure: Optional[Callable[[], Any]] = None, grads: Any = None, output_params: Any = None,

@@ -11,6 +11,8 @@ parameter stepped alone is bit for bit what a grouped step makes of it.
 
 What the hooks cannot do, and so is refused here or left to ``step()``:
 
+- a parameter that appears twice in a group is refused (the plain step updates it once per
+  appearance, as torch's does; a hook steps once per backward);
 - a parameter that does not require grad gets no hook (torch cannot hook it); a hand-set ``.grad``
   of any parameter is stepped by ``step()``, which steps whatever still has a grad;
 - DTensor params (FSDP2, tensor parallel) are refused: unverified (their grads are reduced by
@@ -19,11 +21,23 @@ What the hooks cannot do, and so is refused here or left to ``step()``:
   taken out of the param groups raises;
 - ``step(closure)`` is refused (:func:`refuse_closure`);
 - clipping the gradients the hooks consumed, and accelerate's gradient accumulation, are refused
-  (``consumed_grads.py``, which also keeps each backward's true gradient norm).
+  (``consumed_grads.py``, which also keeps each backward's true gradient norm);
+- a backward run inside another one's backward (reentrant checkpointing,
+  ``torch.utils.checkpoint(..., use_reentrant=True)``, DeepSpeed's activation checkpointing, any
+  autograd Function whose backward calls ``backward()``) raises from the first hook it reaches
+  (:func:`refuse_nested_backward`): its params' gradients arrive in parts, one per inner backward
+  plus the outer one, where a plain step sees their sum once, and a later segment's recomputation
+  would read params already stepped.
+
+A param stepped in its hook and then read again by the same backward through a tensor autograd
+saved (itself, or a ``.detach()`` view, which shares its version counter) makes that backward raise
+torch's "modified by an inplace operation" error, as torch's own per-parameter hook recipe does:
+every step bumps the version counters of the params it writes (``backends/versions.py``).
 """
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from typing import Any, Optional
 
@@ -102,6 +116,7 @@ def _hook(ref: "weakref.ref[torch.optim.Optimizer]", p: torch.Tensor) -> None:
     if hooks is None:
         return
     gi, pi, group = hooks.locate(opt, p)
+    refuse_nested_backward(opt, p, gi, pi, group)
     names = group.get("param_names")
     consumed_grads.before_step(opt, p, names[pi] if names else f"param_groups[{gi}]['params'][{pi}]")
     # Autograd runs hooks with grad mode off unless backward(create_graph=True): no context then.
@@ -111,6 +126,49 @@ def _hook(ref: "weakref.ref[torch.optim.Optimizer]", p: torch.Tensor) -> None:
     else:
         opt._step_one(gi, group, pi, p)
     p.grad = None
+
+
+# BackwardCFunction.apply runs the backward of every Python autograd Function (torch.autograd.function),
+# so a hook with its frame below it on the stack runs in a backward started from inside another one.
+_FUNCTION_BACKWARD = getattr(getattr(torch.autograd.function, "BackwardCFunction", None), "apply", None)
+_NESTED_CODES = {_FUNCTION_BACKWARD.__code__} if _FUNCTION_BACKWARD is not None else set()
+_nested_by_task: dict[int, bool] = {}  # graph task id -> whether it runs inside another backward
+
+
+def in_nested_backward() -> bool:
+    """Whether the backward running this hook was started from inside another backward's node (a
+    reentrant checkpoint's recomputation and inner backward). Read from the Python stack once per
+    graph task (``torch._C._current_graph_task_id``): the engine runs a nested backward on the thread
+    that runs the enclosing node, so that node's frame is below the hook's."""
+    task = torch._C._current_graph_task_id()
+    nested = _nested_by_task.get(task)
+    if nested is None:
+        frame, nested = sys._getframe(1), False
+        while frame is not None and not nested:
+            nested = frame.f_code in _NESTED_CODES
+            frame = frame.f_back
+        if task >= 0:  # -1: no graph task (a hook called by hand), nothing to key on
+            if len(_nested_by_task) > 64:
+                _nested_by_task.clear()
+            _nested_by_task[task] = nested
+    return nested
+
+
+def refuse_nested_backward(opt: torch.optim.Optimizer, p: torch.Tensor, gi: int, pi: int,
+                           group: dict[str, Any]) -> None:
+    """Raise, before ``p`` is stepped, when its hook runs in a nested backward (module docstring)."""
+    if not in_nested_backward():
+        return
+    names = group.get("param_names")
+    who = validate.describe(p, names[pi] if names else f"param_groups[{gi}]['params'][{pi}]")
+    raise RuntimeError(
+        f"{who}: {type(opt).__name__}(step_in_backward=True) cannot step from a backward run inside another "
+        f"backward (reentrant checkpointing: torch.utils.checkpoint(..., use_reentrant=True), DeepSpeed's "
+        f"activation checkpointing, or an autograd Function whose backward calls backward()). Each inner "
+        f"backward hands its params a part of their gradient (a param shared by several segments, or used "
+        f"inside and outside one, would be stepped once per part), and later segments would be recomputed "
+        f"from params already stepped. Use torch.utils.checkpoint(..., use_reentrant=False), or "
+        f"step_in_backward=False. Params whose hooks ran earlier in this backward have been stepped.")
 
 
 class InBackward:
@@ -129,6 +187,12 @@ class InBackward:
         dt_cls = dtensor.dtensor_type()
         cls = type(opt).__name__
         # Everything checked first: a refused group registers no hook.
+        dup = validate.duplicate_param(group["params"])
+        if dup is not None:
+            at = [names[i] if names else f"param_groups[{gi}]['params'][{i}]" for i in dup]
+            raise ValueError(f"{validate.describe(group['params'][dup[1]], at[1])} is the same tensor as {at[0]}: "
+                             f"the plain step (as torch's) updates such a param once per appearance, its one hook "
+                             f"once per backward; {cls}(step_in_backward=True) takes each param once")
         for pi, p in enumerate(group["params"]):
             name = names[pi] if names else f"param_groups[{gi}]['params'][{pi}]"
             who = validate.describe(p, name)

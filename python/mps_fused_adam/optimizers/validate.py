@@ -11,11 +11,22 @@ from ..backends import SUPPORTED_DTYPES
 _SUPPORTED_NAMES = "float32, float16 or bfloat16"
 
 
+def _at_least(low: float, value: Any, what: str, suffix: str) -> bool:
+    """``low <= value``, torch's comparison on the value as given: a str (or None) raises torch's
+    TypeError, where float() would have taken "1e-3". In a step's check of a group (``suffix``
+    names it: a loaded state dict or a hand-edited group may hold anything) the TypeError says
+    which hyperparameter of which group it is."""
+    try:
+        return low <= value
+    except TypeError:
+        if not suffix:
+            raise
+        raise TypeError(f"Invalid {what}: {value!r} is a {type(value).__name__}, not a number{suffix}") from None
+
+
 def _nonnegative(value: Any, what: str, suffix: str) -> None:
     """torch's check of a hyperparameter that must be >= 0, with its message ("Invalid <what>: ...")."""
-    # torch's comparison on the value as given: a str (or None) raises torch's TypeError, where
-    # float() would have taken "1e-3".
-    if not 0.0 <= value:
+    if not _at_least(0.0, value, what, suffix):
         raise ValueError(f"Invalid {what}: {float(value)}{suffix}")
 
 
@@ -39,11 +50,9 @@ def check_hyperparameters(lr: Any, betas: Any, eps: Any, weight_decay: Any, wher
     suffix = f" (in {where})" if where else ""
     _lr(lr, suffix)
     _nonnegative(eps, "epsilon value", suffix)
-    beta1, beta2 = _betas(betas, suffix)
-    if not 0.0 <= beta1 < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 0: {float(beta1)}{suffix}")
-    if not 0.0 <= beta2 < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 1: {float(beta2)}{suffix}")
+    for i, beta in enumerate(_betas(betas, suffix)):
+        if not (_at_least(0.0, beta, f"beta parameter at index {i}", suffix) and beta < 1.0):
+            raise ValueError(f"Invalid beta parameter at index {i}: {float(beta)}{suffix}")
     _nonnegative(weight_decay, "weight_decay value", suffix)
 
 
@@ -52,7 +61,7 @@ def check_lion_hyperparameters(lr: Any, betas: Any, weight_decay: Any, where: st
     suffix = f" (in {where})" if where else ""
     _lr(lr, suffix)
     for i, beta in enumerate(_betas(betas, suffix)):
-        if not 0.0 <= beta <= 1.0:
+        if not (_at_least(0.0, beta, f"beta parameter at index {i}", suffix) and beta <= 1.0):
             raise ValueError(f"Invalid beta parameter at index {i}: {float(beta)}{suffix}")
     _nonnegative(weight_decay, "weight_decay value", suffix)
 
@@ -101,6 +110,17 @@ def check_param(p: torch.Tensor, g: torch.Tensor, name: str, device_type: str | 
     raise ValueError(f"{who}: grad shape {tuple(g.shape)} does not match; expected {tuple(p.shape)}")
 
 
+def check_memory(p: torch.Tensor, name: str, t: torch.Tensor, what: str) -> None:
+    """``t`` (``p`` itself, its grad or a state, ``what`` says which) has address 0: refused when it
+    has elements but no memory (its storage freed, ``untyped_storage().resize_(0)``), which a
+    kernel would be handed as a null pointer. Meta tensors, ZeroTensors and empty tensors have
+    address 0 legitimately."""
+    if t.numel() > 0 and not t.is_meta and not t._is_zerotensor() and t.data_ptr() == 0:
+        raise ValueError(f"{describe(p, name)}: {what} has no memory (address 0: its storage was freed, as "
+                         f"untyped_storage().resize_(0) frees it); expected {t.numel() * t.element_size()} "
+                         f"bytes of storage, found {t.untyped_storage().nbytes()}")
+
+
 def check_state(p: torch.Tensor, state: Mapping[str, Any], name: str, state_dtype: torch.dtype,
                 keys: Sequence[str] = ("exp_avg", "exp_avg_sq")) -> None:
     """Existing optimizer state ``keys`` (perhaps loaded from a checkpoint) must fit its parameter."""
@@ -135,6 +155,35 @@ def check_saved_step(p: torch.Tensor, step: Any, name: str) -> None:
                          f"taken, a non-negative whole number")
 
 
+def appearance_rounds(params: Sequence[torch.Tensor]) -> list[list[int]] | None:
+    """None when every tensor of ``params`` appears once (the common case: one set of ids);
+    otherwise the indices of each tensor's first appearance, then of each second appearance, and
+    so on: the rounds in which torch's one-after-the-other updates of a duplicated param can be
+    made without one call holding a tensor twice."""
+    if len(set(map(id, params))) == len(params):
+        return None
+    seen: dict[int, int] = {}
+    rounds: list[list[int]] = []
+    for pi, p in enumerate(params):
+        r = seen[id(p)] = seen.get(id(p), -1) + 1
+        if r == len(rounds):
+            rounds.append([])
+        rounds[r].append(pi)
+    return rounds
+
+
+def duplicate_param(params: Sequence[torch.Tensor]) -> tuple[int, int] | None:
+    """The indices of the first tensor of ``params`` seen twice, or None."""
+    if len(set(map(id, params))) == len(params):
+        return None
+    first: dict[int, int] = {}
+    for pi, p in enumerate(params):
+        if id(p) in first:
+            return first[id(p)], pi
+        first[id(p)] = pi
+    return None
+
+
 def check_group_param_dtypes(group: Mapping[str, Any], gi: int) -> None:
     """Every parameter of ``param_groups[gi]`` must have a dtype the kernels have (the check made
     when a group is added)."""
@@ -154,6 +203,8 @@ class StateDictKind(NamedTuple):
     required: tuple[str, ...]
     foreign: tuple[str, ...]
     states: tuple[str, ...]
+    # Whether a param's saved state must hold its step count (lion_pytorch's Lion keeps none).
+    has_steps: bool = True
 
 
 ADAM_STATE_DICT = StateDictKind("Adam-family", ("betas", "eps"), ("lr_decay",), ("exp_avg", "exp_avg_sq"))
@@ -203,5 +254,12 @@ def check_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict[str,
                                      f"expected {tuple(p.shape)}")
             if "step" in st:
                 check_saved_step(p, st["step"], name)
+            elif kind.has_steps:
+                # torch raises KeyError: 'step' at the next step; loading it as step 0 would restart
+                # the bias correction on moments that are far from 0.
+                old = " (its group has 'step': an older DeepSpeed FusedAdam checkpoint; set each param's 'step' " \
+                      "to it)" if "step" in saved else ""
+                raise ValueError(f"{describe(p, name)}: the state dict's state has {sorted(map(str, st))} but no "
+                                 f"'step'; expected the number of steps its moments were made over{old}")
             if check_saved_state is not None:
                 check_saved_state(p, st, name)

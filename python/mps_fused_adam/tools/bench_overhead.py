@@ -6,7 +6,9 @@ torch's default), stepped three ways, interleaved, median kept:
 - with its real backend, and the ``_cpu`` kernel alone on addresses gathered beforehand: the
   difference is the step path's cost;
 - with a backend that does nothing: what is left is the step path (validation, bucketing,
-  gathering addresses).
+  gathering addresses, bumping autograd's version counters);
+- the version-counter bump alone (``backends/versions.py``), the part of the step path that
+  tells autograd the params changed, on the same tensors.
 
 The MPS tiers run the same
 path: tier 1 (``_metal``) is measured with a stand-in extension that does nothing, on CPU tensors
@@ -26,6 +28,7 @@ import torch
 from .. import AdamW, CPUAdam, backends
 from ..numerics.contract import RULES, AdamHyper
 from ..backends.mps import MetalExtBackend, ShaderLibraryBackend, KERNELS
+from ..backends.versions import bump
 
 
 class _NoopBackend:
@@ -113,6 +116,15 @@ def _kernel_times(opt: torch.optim.Optimizer, params: list, repeats: int) -> lis
     return times
 
 
+def _bump_times(params: list, repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        bump(params)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def overhead_section(count: int = 1000, size: int = 16, repeats: int = 200) -> list[dict]:
     """Print and return microseconds per tensor of each optimizer/tier's step path.
 
@@ -147,4 +159,10 @@ def overhead_section(count: int = 1000, size: int = 16, repeats: int = 200) -> l
                            median_cpu_us=statistics.median(cpu) * us)
                 print(f"| {label} | {tier} | | {row['fastest_us']:.2f} | {row['median_cpu_us']:.2f} |", flush=True)
             rows.append(row)
+        bumps = _bump_times(params, repeats)
+        row = dict(optimizer=label, backend="version-counter bump alone", fastest_us=min(bumps) * us,
+                   median_us=statistics.median(bumps) * us)
+        print(f"| {label} | {row['backend']} (median {row['median_us']:.3f}) | | {row['fastest_us']:.3f} | |",
+              flush=True)
+        rows.append(row)
     return rows
