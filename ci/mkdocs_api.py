@@ -29,8 +29,8 @@ def public_names(init: Path = INIT) -> dict[str, str]:
     raise ValueError(f"no _PUBLIC table in {init}")
 
 
-def reference_markdown() -> str:
-    names = public_names()
+def reference_markdown(names: dict[str, str] | None = None) -> str:
+    names = public_names() if names is None else names
     classes = sorted(n for n in names if n[0].isupper())
     functions = sorted(n for n in names if not n[0].isupper())
     lines = ["### Optimizers", ""]
