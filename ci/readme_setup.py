@@ -31,14 +31,25 @@ def setup_commands(readme: str) -> str:
     return block.group(1)
 
 
+# pip install options whose next word is their value, not a requirement.
+_VALUE_OPTIONS = {"--index-url", "-i", "--extra-index-url", "--find-links", "-f", "-c", "--constraint", "-r",
+                  "--requirement", "--target", "-t"}
+
+
 def pip_installs(commands: str) -> set[str]:
     """The requirement names the commands pass to ``pip install`` (``.`` for the checkout)."""
     names = set()
     for args in re.findall(r"pip install ([^\n&|;#]+)", commands):
-        for word in args.split():
-            if not word.startswith("-"):
+        words = args.split()
+        for i, word in enumerate(words):
+            if not word.startswith("-") and (i == 0 or words[i - 1] not in _VALUE_OPTIONS):
                 names.add(re.split(r"[=<>!~\[]", word)[0].lower().replace("_", "-"))
     return names
+
+
+def index_urls(commands: str) -> list[str]:
+    """The package indexes the commands name (``--index-url``, ``--extra-index-url``)."""
+    return re.findall(r"--(?:extra-)?index-url[ =](\S+)", commands)
 
 
 def optional_names(readme: str) -> list[str]:

@@ -6,7 +6,8 @@
 #
 #   bash ci/test_installed_wheel.sh            (from .ci/run; PYTHON picks the interpreter)
 #
-# MFA_DEEPSPEED=VERSION also installs DeepSpeed into the test environment (for the ZeRO tests).
+# MFA_DEEPSPEED=VERSION also installs DeepSpeed into the test environment (for the ZeRO tests);
+# MFA_INTEGRATION="pkg==X ..." the training libraries of the integration tests.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -82,6 +83,14 @@ if [ -n "${MFA_BITSANDBYTES:-}" ]; then
   # a constraint so it cannot pull another torch.
   printf 'torch==2.13.0\n' > "$WORK/constraints.txt"
   "$VPY" -m pip install -q -c "$WORK/constraints.txt" "bitsandbytes==${MFA_BITSANDBYTES}"
+fi
+
+if [ -n "${MFA_INTEGRATION:-}" ]; then
+  # The training libraries of the integration tests (tests/test_integration_*.py: Hugging Face
+  # Trainer, accelerate, Lightning), pinned by the caller; the torch pin as a constraint.
+  printf 'torch==2.13.0\n' > "$WORK/constraints.txt"
+  # shellcheck disable=SC2086  # a list of pinned requirements
+  "$VPY" -m pip install -q -c "$WORK/constraints.txt" $MFA_INTEGRATION
 fi
 
 # The README's commands, run from the checkout with the venv first on PATH: the package is

@@ -30,10 +30,18 @@ echo "------------------------------------"
 # Skip lines are checked below; the log is the run's whole output.
 (
   cd "$WORK/checkout"
-  unset MFA_REQUIRE_TOOLS MFA_REQUIRE_DEEPSPEED MFA_REQUIRE_BITSANDBYTES MFA_WHEEL MFA_DS_CPU_ADAM_SO VIRTUAL_ENV PYTHONPATH
+  unset MFA_REQUIRE_TOOLS MFA_REQUIRE_DEEPSPEED MFA_REQUIRE_BITSANDBYTES MFA_REQUIRE_INTEGRATION MFA_WHEEL MFA_DS_CPU_ADAM_SO VIRTUAL_ENV PYTHONPATH
   export PYTEST_ADDOPTS="-ra -p no:cacheprovider"
+  # The block's --extra-index-url (PyTorch's CPU index) cannot be reached from CI: its name does
+  # not resolve, and with no retries pip moves on at once (pip's default, 5 retries with
+  # back-off, costs about 30 s per package). The same 2.13.0+cpu wheel comes from the machine's
+  # on-disk wheels (PIP_FIND_LINKS, kept from the caller's environment or pip configuration);
+  # the check below the run makes sure the CPU build is what was installed.
+  export PIP_RETRIES=0
   PATH="$(dirname "$(command -v "$PY")"):$PATH" bash -euo pipefail "$WORK/setup.sh"
 ) 2>&1 | tee "$WORK/setup.log"
 
 "$PY" "$REPO/ci/readme_setup.py" check "$REPO/README.md" "$WORK/setup.log" --min-passed "$MIN_PASSED"
+# The block's own environment holds the CPU build of torch (a CUDA build would be 2.13.0 without +cpu).
+"$WORK/checkout/.venv/bin/python" -c "import torch; v = torch.__version__; assert v == '2.13.0+cpu', v; print('torch', v)"
 echo "README set-up check passed: $(grep -E '^=+ .* in [0-9.]+s' "$WORK/setup.log" | tail -n 1)"

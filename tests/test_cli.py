@@ -634,3 +634,74 @@ def test_json_carries_the_benchmark_notes_and_warnings(monkeypatch, capsys):
     assert report["benchmark_notes"][0].startswith("speed vs torch fused") and "only 3 rounds" in report["benchmark_notes"][0]
     assert report["benchmark_notes"][1:] == ["note: ratios moved by up to +-40%"]
     assert any("MPS_FUSED_ADAM_SIMD=" in w and "is not supported on this CPU" in w for w in report["warnings"])
+
+
+# ---- the report at a glance, and a stdout that cannot be written (issue 35 item 10) ------------
+
+def _shrunk(monkeypatch):
+    from mps_fused_adam.tools import bench
+    monkeypatch.setattr(bench, "QUICK", dict(flat=4096, many=(4, 1024), repeats=5, foreach=False))
+
+
+def test_default_report_fits_a_screen_and_verbose_lists_every_check(monkeypatch, capsys):
+    """By default: one line per self-checked backend with its count, one benchmark row per case,
+    at most about 30 lines; --verbose adds a line per case and per contender."""
+    from mps_fused_adam import __main__ as cli
+    _shrunk(monkeypatch)
+    assert cli.main([]) == 0
+    short = capsys.readouterr().out.rstrip().splitlines()
+    assert cli.main(["--verbose"]) == 0
+    full = capsys.readouterr().out.rstrip().splitlines()
+    assert len(short) <= 30, "\n".join(short)
+    cases = [line for line in full if re.match(r"  (ok|FAIL) +\S", line) and " eps" in line and "cases" not in line]
+    backends = [line for line in short if re.match(r"  ok +\S.* \d+/\d+ cases \(", line)]
+    counts = {m.group(1): int(m.group(2)) for line in backends
+              if (m := re.match(r"  ok +(.+?) +\d+/(\d+) cases", line))}
+    assert counts and sum(counts.values()) == len(cases)  # every case counted on its backend's line
+    assert short[-1].startswith("summary: ") and full[-1].startswith("summary: ")
+    table = [line for line in short if line.startswith("| ") and "ns/elem" not in line]
+    assert len(table) == 6  # fp32, bf16/bf16, bf16/fp32 states on two shapes
+    assert sum(line.startswith("| ") for line in full) > len(table) + 2
+
+
+@pytest.mark.parametrize("half_iqr,shown", [(0.02, True), (0.5, False)])
+def test_speeds_carry_their_spread_only_when_it_means_something(half_iqr, shown):
+    """A tight spread is printed with the ratio; a wide one leaves the median and says the
+    machine is busy (the same tolerance as the benchmark's noise note)."""
+    from mps_fused_adam import __main__ as cli
+    from mps_fused_adam.tools import bench
+    row = dict(case="flat 4M", dtypes="fp32", threads=2, contender="ours", ns_per_elem=1.0, gbps=1.0, of_floor=0.9,
+               vs_torch_fused=1.2, vs_torch_fused_spread=(1.2 - half_iqr, 1.2 + half_iqr))
+    cell, steady = cli._speed_cell(row, bench.QUICK["repeats"])
+    assert steady is shown
+    assert cell == (f"1.20x ({1.2 - half_iqr:.2f}-{1.2 + half_iqr:.2f})" if shown else "1.20x (median)")
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]], ids=["text", "json"])
+@pytest.mark.parametrize("redirect", ["closed", "full"])
+def test_a_closed_or_full_stdout_exits_quietly_with_the_checks_status(redirect, json_flag):
+    """``--check >&-`` used to raise AttributeError and exit 1; ``>/dev/full`` an OSError with a
+    traceback. Now: no output on stderr, the self-check's own status."""
+    if redirect == "full" and not __import__("os").path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    stdout = subprocess.DEVNULL if redirect == "closed" else open("/dev/full", "w")
+    try:
+        kw = {"stdout": stdout} if redirect == "full" else {"close_fds": True}
+        cmd = [sys.executable, "-m", "mps_fused_adam", "--check", *json_flag]
+        if redirect == "closed":  # the child's descriptor 1 closed, as the shell's >&- does
+            cmd = ["sh", "-c", 'exec "$@" >&-', "sh", *cmd]
+        run = subprocess.run(cmd, stderr=subprocess.PIPE, text=True, timeout=300, **kw)
+    finally:
+        if redirect == "full":
+            stdout.close()
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+
+
+def test_a_failed_check_keeps_its_status_without_stdout(monkeypatch):
+    from mps_fused_adam import __main__ as cli
+    from mps_fused_adam.tools import selfcheck
+    bad = selfcheck.CheckResult("_cpu (test)", "cpu", "float32/float32", 9.5, False)
+    monkeypatch.setattr(selfcheck, "all_checks", lambda: iter([bad]))
+    monkeypatch.setattr(sys, "stdout", None)  # what Python sets for a closed descriptor 1
+    assert cli.main(["--check"]) == 1 and cli.main(["--check", "--json"]) == 1
+    assert sys.stdout is None  # restored for the caller

@@ -35,15 +35,20 @@ def test_setup_commands_are_the_ones_ci_runs():
 
 
 def test_setup_installs_what_the_tests_need():
-    """The README's pip lines install torch pinned, from the default index (no index our machines
-    cannot reach), and everything in the package's `test` extra; and every test module imports at
+    """The README's pip lines install torch pinned, with PyTorch's CPU index as the one extra index
+    (CI, which cannot reach it, runs the same line: ci/test_readme_setup.sh), and everything in the
+    package's `test` extra; and every test module imports at
     module level only the standard library, torch, pytest, the package and what those lines install
     (a fresh machine would otherwise collect nothing)."""
     import ast
     rs = _readme_setup()
     commands = rs.setup_commands(README.read_text(encoding="utf-8"))
-    assert "torch==2.13.0" in commands and "--index-url" not in commands and "--extra-index-url" not in commands
+    assert "torch==2.13.0" in commands and "--index-url " not in commands
+    assert rs.index_urls(commands) == ["https://download.pytorch.org/whl/cpu"], commands
+    # torch and the checkout in one pip call, so the CPU build is what the package's torch>=2.13 meets.
+    assert re.search(r"pip install torch==2.13.0 [^\n&]*\. [^\n&]*--extra-index-url", commands), commands
     installed = rs.pip_installs(commands)
+    assert "https://download.pytorch.org/whl/cpu" not in installed
     pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
     extra = re.search(r"^test = \[(.*?)\]", pyproject, flags=re.M).group(1)
     test_extra = {re.split(r"[=<>!~\[]", name)[0].lower() for name in re.findall(r'"([^"]+)"', extra)}
@@ -111,15 +116,18 @@ def test_cli_options_are_documented():
 
 def test_readme_shape():
     """What issue 30 asks of the README: at most 400 lines; how to replace torch.optim.AdamW within
-    the first 60; the CPU-torch note before the set-up commands it is about; links into the docs
-    that exist."""
+    the first 60; the CPU-torch index inside the one set-up block, said why right after it; links
+    into the docs that exist."""
     text = README.read_text(encoding="utf-8")
     lines = text.splitlines()
     assert len(lines) <= 400, len(lines)
     head = "\n".join(lines[:60])
     assert "torch.optim.AdamW" in head and "mfa.AdamW(" in head
     setup = _readme_setup().setup_section(text)
-    assert 0 <= setup.index("download.pytorch.org/whl/cpu") < setup.index("```bash"), "the CPU-torch note must come first"
+    block = setup.index("```bash")
+    assert setup.count("```bash") == 1 and "```sh" not in setup, "one set-up block"
+    assert block < setup.index("download.pytorch.org/whl/cpu") < setup.index("```", block + 7), "inside the block"
+    assert "CPU-only build" in setup[setup.index("```", block + 7):]
     for target in re.findall(r"\]\((docs/[^)#]+)", text):
         assert (ROOT / target).is_file(), target
 

@@ -1,9 +1,15 @@
 """``python -m mps_fused_adam``: versions, backends (and why the others are not available), the
 SIMD path and thread count, a self-check of every available backend, and a short benchmark.
-``--help`` lists the options; the exit status is non-zero if a self-check fails."""
+``--help`` lists the options; the exit status is non-zero if a self-check fails.
+
+By default the text report fits a screen (about 30 lines: one line per self-checked backend, one
+benchmark row per case); ``--verbose`` prints every check and every contender. A stdout that is
+closed, full or whose reader went away costs the report, never the exit status: the checks still
+run and the command exits with their status, quietly (``quiet_stdout``)."""
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
@@ -35,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="run only the self-check: no environment report, no benchmark")
     ap.add_argument("--json", action="store_true",
                     help="print one JSON object (report, self-check, benchmark rows) instead of text")
+    ap.add_argument("--verbose", "-v", action="store_true",
+                    help="print every self-check case and every benchmark contender (the default prints one "
+                         "line per backend and one row per case)")
     return ap
 
 
@@ -74,11 +83,35 @@ def print_environment(env: dict[str, Any]) -> None:
         print("  mps: no MPS device here; the Metal tiers run on Apple Silicon only")
 
 
+SELF_CHECK_TITLE = "Self-check against the reference"
+
+
+def _check_line(r: dict[str, Any]) -> str:
+    what = (f"raised {r['error']}" if r["error"] else
+            f"worst {r['worst_in_eps']:.3g} eps{'  (bit-exact)' if r['bit_exact'] else ''}")
+    return f"  {'ok' if r['passed'] else 'FAIL':4} {r['backend']:18} {r['device']:4} {r['dtypes']:26} {what}"
+
+
+def print_environment_short(env: dict[str, Any]) -> None:
+    """Versions on one line; per device the backend in use and why the others are not."""
+    ds = f"  deepspeed {env['deepspeed']}" if env["deepspeed"] else ""
+    print(f"mps_fused_adam {env['mps_fused_adam']}  torch {env['torch']}  Python {env['python']}  "
+          f"{env['platform']}{ds}  threads {env['threads']}")
+    print("Backends:")
+    for device, info in env["backends"].items():
+        extra = f" (SIMD {info['simd']})" if "simd" in info else ""
+        print(f"  {device}: {info['backend']}{extra}")
+        for reason in info["unavailable"]:
+            print(f"    not used: {reason}")
+    if not env["mps_available"]:
+        print("  mps: no MPS device here; the Metal tiers run on Apple Silicon only")
+
+
 def self_check(echo: bool) -> list[dict[str, Any]]:
     """Every available backend against the reference; printed line by line as it runs if ``echo``."""
     from .tools.selfcheck import UPDATE_BOUND, CheckResult, all_checks, tier_lines
     if echo:
-        print("Self-check against the reference (on CPU: bit for bit; elsewhere within 8 eps x max|ref| "
+        print(f"{SELF_CHECK_TITLE} (on CPU: bit for bit; elsewhere within 8 eps x max|ref| "
               f"and {UPDATE_BOUND:g} of each tensor's movement):")
         for line in tier_lines():  # every MPS tier, loaded or not, and the kernels it refuses
             print(line)
@@ -97,10 +130,25 @@ def self_check(echo: bool) -> list[dict[str, Any]]:
                         "bit_exact": r.bit_exact, "exact_required": r.exact_required, "passed": r.passed,
                         "error": r.error})
         if echo:
-            what = (f"raised {r.error}" if r.error else
-                    f"worst {r.worst_in_eps:.3g} eps{'  (bit-exact)' if r.bit_exact else ''}")
-            print(f"  {'ok' if r.passed else 'FAIL':4} {r.backend:18} {r.device:4} {r.dtypes:26} {what}", flush=True)
+            print(_check_line(results[-1]), flush=True)
     return results
+
+
+def print_checks_short(results: list[dict[str, Any]]) -> None:
+    """One line per backend: its count of passed cases and how close they came; every failed case
+    on a line of its own below it."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        by.setdefault(r["backend"], []).append(r)
+    for backend, rs in by.items():
+        passed = sum(r["passed"] for r in rs)
+        exact = sum(r["bit_exact"] for r in rs)
+        rest = [r["worst_in_eps"] for r in rs if not r["bit_exact"] and r["error"] is None]
+        how = f"{exact} bit-exact" + (f", the rest within {max(rest):.3g} eps" if rest else "")
+        print(f"  {'ok' if passed == len(rs) else 'FAIL':4} {backend:18} {passed}/{len(rs)} cases ({how})")
+        for r in rs:
+            if not r["passed"]:
+                print(_check_line(r))
 
 
 def benchmark(echo: bool, notes: Optional[list[str]] = None) -> list[dict[str, Any]]:
@@ -135,6 +183,42 @@ def benchmark(echo: bool, notes: Optional[list[str]] = None) -> list[dict[str, A
     return [asdict(r) for r in rows]
 
 
+def _speed_cell(row: dict[str, Any], rounds: int) -> tuple[str, bool]:
+    """``ours vs torch fused`` of a row, with its spread when the median is known to within
+    ``bench.noise_note``'s tolerance; otherwise the median alone, marked, and False."""
+    from .tools import bench
+    if row["vs_torch_fused"] is None:
+        return "-", True
+    error = bench.median_uncertainty(bench.Row(**row), rounds)
+    if error is not None and error <= bench.NOISE_TOLERANCE:
+        lo, hi = row["vs_torch_fused_spread"]
+        return f"{row['vs_torch_fused']:.2f}x ({lo:.2f}-{hi:.2f})", True
+    return f"{row['vs_torch_fused']:.2f}x (median)", False
+
+
+def print_benchmark_short(rows: list[dict[str, Any]]) -> None:
+    """One row per case: ours and torch's fused AdamW in ns per element, ours against it and
+    against the memory floor; the spread only where it means something."""
+    from .tools import bench
+    rounds = bench.QUICK["repeats"]
+    print(f"Short benchmark, {rounds} interleaved rounds at {rows[0]['threads'] if rows else '-'} threads "
+          f"(--verbose: every contender; python -m mps_fused_adam.bench: the full one):")
+    print("| case | dtypes | ours ns/elem | torch fused ns/elem | ours vs torch fused | ours vs floor |")
+    print("|---|---|---|---|---|---|")
+    steady = True
+    for case in dict.fromkeys((r["case"], r["dtypes"]) for r in rows):
+        by = {r["contender"]: r for r in rows if (r["case"], r["dtypes"]) == case}
+        ours, theirs = by[bench.OURS], by.get("torch fused")
+        cell, ok = _speed_cell(ours, rounds)
+        steady &= ok
+        floor = "-" if ours["of_floor"] is None else f"{ours['of_floor']:.2f}"
+        print(f"| {case[0]} | {case[1]} | {ours['ns_per_elem']:.3f} | "
+              f"{'-' if theirs is None else format(theirs['ns_per_elem'], '.3f')} | {cell} | {floor} |")
+    print("ratios above 1: ours is faster; in brackets the middle half of the round-by-round ratios" if steady else
+          "the machine is busy (the rounds moved too much for their spread to mean anything): the ratios are "
+          "medians; rerun on an idle machine before drawing conclusions")
+
+
 def _json_safe(value: Any) -> Any:
     """``value`` with every non-finite float as None: json.dump writes them as ``Infinity`` and
     ``NaN``, which are not JSON (a failed check's worst difference is infinite)."""
@@ -147,26 +231,64 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+class QuietStdout(io.TextIOBase):
+    """stdout for the command's report: a write that fails (a closed descriptor, a full disk,
+    ``| head`` gone) makes it ``lost`` and drops the rest, so the checks run to the end and
+    their status is still the exit status. The report is worth less than the status it reports."""
+
+    def __init__(self, stream: Optional[Any]) -> None:
+        super().__init__()
+        self._stream = stream
+        self.lost = stream is None  # `python -m mps_fused_adam >&-`: Python's sys.stdout is None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if not self.lost:
+            try:
+                self._stream.write(text)
+            except (OSError, ValueError):  # ValueError: the stream was closed under us
+                self._lose()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.lost:
+            try:
+                self._stream.flush()
+            except (OSError, ValueError):
+                self._lose()
+
+    def _lose(self) -> None:
+        self.lost = True
+        # What the real stream still buffers would fail again at the interpreter's exit flush
+        # (printing "Exception ignored ... BrokenPipeError"): its descriptor goes to /dev/null.
+        try:
+            fd = self._stream.fileno()
+            os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+        except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+            pass
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """The command; returns its exit status (also the console script ``mps-fused-adam``)."""
+    out = QuietStdout(sys.stdout)
+    real, sys.stdout = sys.stdout, out
     try:
-        status = _main(argv)
-        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit flush
+        status = _main(argv, out)
+        out.flush()  # a closed pipe or a full disk shows here, not in the interpreter's exit flush
         return status
-    except BrokenPipeError:
-        # The reader went away (python -m mps_fused_adam | head): not a failure of the checks.
-        # Later writes, the exit flush included, go to /dev/null instead of raising again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_OK
+    finally:
+        sys.stdout = real
 
 
-def _main(argv: Optional[list[str]]) -> int:
+def _main(argv: Optional[list[str]], out: Optional[QuietStdout] = None) -> int:
     args = build_parser().parse_args(argv)
     report: dict[str, Any] = {}
     # Warnings (an MPS_FUSED_ADAM_SIMD path this CPU lacks, a tier that did not load) go to stderr
     # as always, and into the report, where --json readers would otherwise never see them.
     with warnings.catch_warnings(record=True) as caught:
-        failed = _run(args, report)
+        failed = _run(args, report, lost=lambda: out is not None and out.lost)
     for w in caught:
         warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     if caught:
@@ -209,35 +331,44 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _run(args: argparse.Namespace, report: dict[str, Any]) -> int:
-    """The report's sections, into ``report``; returns how many checks failed."""
+def _run(args: argparse.Namespace, report: dict[str, Any], lost=lambda: False) -> int:
+    """The report's sections, into ``report``; returns how many checks failed. ``lost()``: stdout
+    can no longer be written, so the benchmark (which only prints) is left out."""
     text = not args.json
+    verbose = text and args.verbose
     if not args.check_only:
         report["environment"] = environment()
         if text:
-            print_environment(report["environment"])
+            (print_environment if verbose else print_environment_short)(report["environment"])
             print()
-    report["self_check"] = self_check(echo=text)
+    if text and not verbose:
+        print(SELF_CHECK_TITLE + " (--verbose lists every case):")
+    report["self_check"] = self_check(echo=verbose)
+    if text and not verbose:
+        print_checks_short(report["self_check"])
     failed = sum(not r["passed"] for r in report["self_check"])
     if not args.check_only:
         from .tools.selfcheck import torch_agreement
         a = report["torch_agreement"] = torch_agreement()
         failed += not a["passed"]
         if text:
-            print(f"\n{'ok' if a['passed'] else 'FAIL'}: the contract (the reference) against torch.optim.AdamW "
-                  f"(fp32, 100 steps, 100K params): {a['identical']:.1%} bit-identical, mean "
-                  f"{a['mean_ulps']:.2f} ulps, largest difference {a['max_in_eps']:.3g} eps x max|p| "
-                  f"(bound {a['bound']:g})")
+            verdict = "ok" if a["passed"] else "FAIL"
+            what = (f"the contract (the reference) against torch.optim.AdamW (fp32, 100 steps, 100K params): "
+                    f"{a['identical']:.1%} bit-identical, mean {a['mean_ulps']:.2f} ulps, largest difference "
+                    f"{a['max_in_eps']:.3g} eps x max|p| (bound {a['bound']:g})")
+            print(f"\n{verdict}: {what}" if verbose else f"  {verdict:4} {what}")
     report["passed"] = failed == 0
     if failed and text:
         print(f"\n{failed} self-check(s) FAILED")
-    if not (failed or args.check_only or args.no_bench):
+    if not (failed or args.check_only or args.no_bench or lost()):
         if text:
             print()
         notes: list[str] = []
-        report["benchmark"] = benchmark(echo=text, notes=notes)
+        report["benchmark"] = benchmark(echo=verbose, notes=notes)
         if notes:
             report["benchmark_notes"] = notes
+        if text and not verbose:
+            print_benchmark_short(report["benchmark"])
     return failed
 
 

@@ -20,6 +20,8 @@ What the hooks cannot do, and so is refused here or left to ``step()``:
 - DeepSpeed owns the step: ZeRO-3 params are refused, and a hook whose param DeepSpeed's ZeRO has
   taken out of the param groups raises;
 - ``step(closure)`` is refused (:func:`refuse_closure`);
+- clipping the gradients the hooks consumed, and accelerate's gradient accumulation, are refused
+  (``consumed_grads.py``, which also keeps each backward's true gradient norm);
 - a backward run inside another one's backward (reentrant checkpointing,
   ``torch.utils.checkpoint(..., use_reentrant=True)``, DeepSpeed's activation checkpointing, any
   autograd Function whose backward calls ``backward()``) raises from the first hook it reaches
@@ -41,7 +43,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import dtensor, validate
+from . import consumed_grads, dtensor, validate
 
 ATTRIBUTE = "_in_backward"  # where an optimizer keeps its InBackward (absent or None: plain)
 _STATE_KEY = "mps_fused_adam_step_in_backward"  # in __getstate__'s dict, for pickling and deepcopy
@@ -115,6 +117,8 @@ def _hook(ref: "weakref.ref[torch.optim.Optimizer]", p: torch.Tensor) -> None:
         return
     gi, pi, group = hooks.locate(opt, p)
     refuse_nested_backward(opt, p, gi, pi, group)
+    names = group.get("param_names")
+    consumed_grads.before_step(opt, p, names[pi] if names else f"param_groups[{gi}]['params'][{pi}]")
     # Autograd runs hooks with grad mode off unless backward(create_graph=True): no context then.
     if torch.is_grad_enabled():
         with torch.no_grad():
@@ -175,6 +179,7 @@ class InBackward:
         self._handles: list = []
         self._where: dict[int, tuple[int, int]] = {}
         weakref.finalize(opt, _remove_all, self._handles)
+        consumed_grads.track(opt)  # clipping what the hooks consumed raises; their norms are kept
 
     def attach(self, opt: torch.optim.Optimizer, gi: int, device_type: Optional[str]) -> None:
         group = opt.param_groups[gi]

@@ -276,7 +276,10 @@ def median_uncertainty(row: Row, rounds: int) -> Optional[float]:
     return 1.2533 * sigma / math.sqrt(max(rounds, 1)) / row.vs_torch_fused
 
 
-def noise_note(rows: list[Row], rounds: int, tolerance: float = 0.075) -> Optional[str]:
+NOISE_TOLERANCE = 0.075  # relative standard error of a median ratio above which a run is "busy"
+
+
+def noise_note(rows: list[Row], rounds: int, tolerance: float = NOISE_TOLERANCE) -> Optional[str]:
     """A warning when this run's median ratios are uncertain by more than ``tolerance`` (one
     standard error, relative: a busy machine). Judged on the median, not on single rounds: on an idle shared VM single rounds
     still move by 8 to 12% (the note used to fire on every run there); a second
