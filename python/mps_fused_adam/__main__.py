@@ -343,6 +343,9 @@ def _run(args: argparse.Namespace, report: dict[str, Any], lost=lambda: False) -
             print()
     if text and not verbose:
         print(SELF_CHECK_TITLE + " (--verbose lists every case):")
+        from .tools.selfcheck import tier_lines
+        for line in tier_lines():  # every MPS tier on one line: its state, the kernels it refuses
+            print(line)
     report["self_check"] = self_check(echo=verbose)
     if text and not verbose:
         print_checks_short(report["self_check"])
