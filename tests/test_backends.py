@@ -79,7 +79,9 @@ def test_backends_declare_what_they_run(make):
     backend.prepare(kernels)
     f32, bf16 = torch.float32, torch.bfloat16
     assert "no form of rule 'sgd'" in backend.unavailable(Kernel("sgd", f32, f32))
-    assert "the sr_keys mode of rule 'adam'" in backend.unavailable(Kernel("adam_sr", bf16, f32))
+    # The optimizers' stochastic-rounding bucket (rule adam_sr) runs on bf16 params only.
+    assert backend.unavailable(Kernel("adam_sr", bf16, f32)) is None
+    assert "only bf16 params" in backend.unavailable(Kernel("adam_sr", f32, f32))
     assert "has no adam bfloat16/float16 kernel" in backend.unavailable(Kernel("adam", bf16, torch.float16))
     assert "no kernel for torch.float64 params" in backend.unavailable(Kernel("adam", torch.float64, torch.float64))
     with pytest.raises(RuntimeError, match=r"does not run adam8bit float32/float32"):

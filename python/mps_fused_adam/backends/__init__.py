@@ -194,8 +194,8 @@ def _standard_kernel(kernel: Kernel, rules: Iterable[str], who: str) -> Optional
     """Why ``who`` (a backend with a form of each rule of ``rules`` for every param dtype of
     SUPPORTED_DTYPES with fp32 or same-dtype states) does not run ``kernel``, or None."""
     rule, p, s = kernel
-    if rule == "adam_sr":  # the Metal kernels' name of it
-        return f"{who} runs stochastic rounding as the sr_keys mode of rule 'adam'"
+    if rule == "adam_sr" and p is not torch.bfloat16:
+        return f"{who} stores only bf16 params by stochastic rounding"
     if rule not in rules:
         return f"{who} has no form of rule {rule!r}"
     if p not in SUPPORTED_DTYPES:
@@ -253,7 +253,7 @@ class CPUBackend:
         """The rules this build of ``_cpu`` has (``_cpu.rules()``), on fp32, fp16 and bf16 params with
         fp32 or same-dtype states; ``adam_sr`` as its Adam rule's bf16 stochastic-rounding store
         (``sr_keys``), ``adam8bit`` through ``_cpu.adam8bit_step_many``."""
-        return _standard_kernel(kernel, self._rules, "the _cpu extension")
+        return _standard_kernel(kernel, self._rules | set(_LOWBIT_RULES), "the _cpu extension")
 
     def prepare(self, kernels: Iterable[Kernel]) -> None:
         """Nothing to build (the kernels are compiled in); a kernel it does not run raises here."""
