@@ -506,19 +506,25 @@ def test_reentrant_checkpointing_is_refused(kind):
     assert int((opt.state.get(params[0]) or {}).get("step", 0)) == (0 if kind == "shared" else 1)
 
 
-@pytest.mark.parametrize("kind", ["shared", "inside_and_outside"])
-def test_non_reentrant_checkpointing_is_bit_identical(kind):
-    x = torch.randn(4, 6, requires_grad=True)
+def _plain_and_in_backward(make, x):
+    """``(optimizer, params)`` after three AdamW steps of ``make()``'s model on ``x``, stepped after
+    backward and in backward."""
     runs = []
     for on in (False, True):
-        params, loss_of = _shared_layer_model(kind, reentrant=False)
+        params, loss_of = make()
         opt = mfa.AdamW(params, lr=1e-2, step_in_backward=on)
         for _ in range(3):
             loss_of(x).backward()
             opt.step()
             opt.zero_grad()
         runs.append((opt, params))
-    (a, pa), (b, pb) = runs
+    return runs
+
+
+@pytest.mark.parametrize("kind", ["shared", "inside_and_outside"])
+def test_non_reentrant_checkpointing_is_bit_identical(kind):
+    x = torch.randn(4, 6, requires_grad=True)
+    (a, pa), (b, pb) = _plain_and_in_backward(lambda: _shared_layer_model(kind, reentrant=False), x)
     same_state(a, b, pa, pb)
     assert int(b.state[pb[0]]["step"]) == 3
 
@@ -554,14 +560,5 @@ def test_a_detached_read_autograd_saved_raises_as_torchs_recipe_does():
 def test_a_detached_read_autograd_does_not_save_is_bit_identical():
     """What backward never reads again cannot see the stepped value."""
     x = torch.randn(4, 6)
-    runs = []
-    for on in (False, True):
-        params, loss_of = _detached_read_model(saved=False)
-        opt = mfa.AdamW(params, lr=1e-2, step_in_backward=on)
-        for _ in range(3):
-            loss_of(x).backward()
-            opt.step()
-            opt.zero_grad()
-        runs.append((opt, params))
-    (a, pa), (b, pb) = runs
+    (a, pa), (b, pb) = _plain_and_in_backward(lambda: _detached_read_model(saved=False), x)
     same_state(a, b, pa, pb)
