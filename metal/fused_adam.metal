@@ -20,7 +20,8 @@
 //   fused_adam_bfloat_float, fused_adam_bfloat_bfloat (the bfloat ones need Metal 3.1, macOS 14),
 //   the same five pairs of fused_lion_* and fused_adagrad_*, and fused_adam_sr_bfloat_float,
 //   fused_adam_sr_bfloat_bfloat (Adam, the bf16 param stored by stochastic rounding), and
-//   fused_adam8bit_{float,half,bfloat}_uchar (8-bit block-wise Adam: buffers at fused_step_8bit).
+//   fused_adam8bit_{float,half,bfloat}_uchar and fused_adam4bit_{float,half,bfloat}_uchar (8-bit
+//   and 4-bit block-wise Adam: buffers at fused_step_blockwise).
 // Buffers, for a rule with K states (Adam: K = 2; Lion, Adagrad: K = 1):
 //   0 param (P, in/out)   1 grad (P, in)   2 .. 1+K the states (S, in/out)
 //   2+K the rule's Params (constant struct; Adam: 9 floats, 2 uints, in contract.AdamScalars order)
@@ -325,16 +326,18 @@ kernel void fused_step_1(device P* param [[buffer(0)]],
   step_elements<Rule, P, S>(param, grad, state0, state0, hp, base, n, tid);
 }
 
-// 8-bit block-wise Adam (python/mps_fused_adam/numerics/lowbit.py, reference_lowbit.reference_adam8bit_):
-// both moments as uchar codes with one fp32 scale (absmax) per block of 256 elements. The thread
-// whose four elements start a block owns the whole block (the others return), so a block's new
-// scales are known before any of its codes is written and no threadgroup barrier is needed. The
-// first pass finds the new scales without writing; the second recomputes each element (the same
-// operations, so the same values), stores the parameter and quantizes. Not tuned for Apple GPUs
-// (one working thread per 256 elements, private to its block).
+// Block-wise low-bit Adam: 8-bit (python/mps_fused_adam/numerics/lowbit.py,
+// reference_lowbit.reference_adam8bit_) and 4-bit (numerics/lowbit4.py, reference_adam4bit_) states,
+// one kernel shape (fused_step_blockwise) over two code formats (Codes8, Nibbles4 below). Both
+// moments are stored as codes with one fp32 scale (absmax) per block. The thread whose four
+// elements start a block owns the whole block (the others return), so a block's new scales are
+// known before any of its codes is written and no threadgroup barrier is needed. The first pass
+// finds the new scales without writing; the second recomputes each element (the same operations,
+// so the same values), stores the parameter and quantizes. Not tuned for Apple GPUs (one working
+// thread per block, private to its block).
 // Buffers: 0 param (P)  1 grad (P)  2 exp_avg codes  3 exp_avg_sq codes (uchar)  4, 5 their block
-// scales (float)  6, 7 the signed and unsigned map tables (lowbit.kernel_table: 256 code values,
-// 255 midpoints, a pad, the quantizer's region constants)  8 Adam8bitParams  9 base  10 n.
+// scales (float)  6, 7 the signed and unsigned map tables (the format's kernel table)
+// 8 Adam8bitParams (both formats: the rules differ only in their states)  9 base  10 n.
 struct Adam8bitParams {
   float beta1;
   float beta2;
@@ -350,15 +353,6 @@ struct Adam8bitParams {
   uint maximize;
   uint sr;      // bf16 params only: store by stochastic rounding with sr_key
   uint sr_key;
-};
-
-struct Adam8bitRule {
-  enum : uint { kStates = 6 };  // two code buffers, two scale buffers, two map tables
-  typedef Adam8bitParams Params;
-  // The element's Adam step on dequantized moments, the normalized step clamped to [-clip, clip].
-  static inline void apply(thread float& p, float g, thread float& m, thread float& v, constant Params& hp) {
-    AdamRule::step<ClampToClip>(p, g, m, v, hp);
-  }
 };
 
 // The nearest-code search of src/cpu/q8_search.h on a map's kernel table (lowbit.py, "The
@@ -403,17 +397,70 @@ inline uint code_of(float x, device const float* table) {
   return 127u + q8_count(y, table, 127u);
 }
 
+// A code format: kBits per code (8 / kBits codes per byte, the first element's code in the high
+// bits), kBlock elements per block, and the quantizer of each moment on its map's kernel table.
+// Codes8: one code per byte, blocks of 256, lowbit.kernel_table (256 values, 255 midpoints, the
+// search's constants); a positive second moment never takes the zero code.
+struct Codes8 {
+  enum : uint { kBits = 8, kBlock = 256 };
+  static inline uint code1(float x, device const float* table) { return code_of(x, table); }
+  static inline uint code2(float x, device const float* table) {
+    const uint c = code_of(x, table);
+    return c == 0 && x > 0.0f ? 1u : c;
+  }
+};
+
+// Nibbles4: two codes per byte (byte k = code(2k) << 4 | code(2k + 1)), blocks of 128,
+// lowbit4.kernel_table4 (16 values, then 15 midpoints). The second moment's map has no zero, so
+// both moments take the plain nearest code.
+struct Nibbles4 {
+  enum : uint { kBits = 4, kBlock = 128 };
+  // The number of the 15 sorted midpoints strictly below x, by four halving steps (15 = 2^4 - 1);
+  // NaN fails every comparison: code 0.
+  static inline uint code1(float x, device const float* table) {
+    uint c = 0;
+    for (uint step = 8; step != 0; step >>= 1) {
+      if (table[16 + c + step - 1] < x) {
+        c += step;
+      }
+    }
+    return c;
+  }
+  static inline uint code2(float x, device const float* table) { return code1(x, table); }
+};
+
+// Code i of a tensor's codes in format Fmt.
+template <typename Fmt, typename S>
+inline uint load_code(device const S* codes, ulong i) {
+  const uint per = 8 / Fmt::kBits;
+  const uint shift = Fmt::kBits * (per - 1 - uint(i % per));
+  return (uint(codes[i / per]) >> shift) & ((1u << Fmt::kBits) - 1u);
+}
+
+template <typename Fmt>
+struct AdamBlockwiseRule {
+  enum : uint { kStates = 6 };  // two code buffers, two scale buffers, two map tables
+  typedef Adam8bitParams Params;
+  typedef Fmt Format;
+  // The element's Adam step on dequantized moments, the normalized step clamped to [-clip, clip].
+  static inline void apply(thread float& p, float g, thread float& m, thread float& v, constant Params& hp) {
+    AdamRule::step<ClampToClip>(p, g, m, v, hp);
+  }
+};
+typedef AdamBlockwiseRule<Codes8> Adam8bitRule;
+typedef AdamBlockwiseRule<Nibbles4> Adam4bitRule;
+
 // max(acc, a) that turns NaN once any element is NaN (as torch's amax does).
 inline float nan_max(float acc, float a) {
   return (a > acc || a != a) && acc == acc ? a : acc;
 }
 
 template <typename P>
-inline void store_param8(device P* dst, float x, constant Adam8bitParams&, ulong) {
+inline void store_param_lowbit(device P* dst, float x, constant Adam8bitParams&, ulong) {
   *dst = P(x);
 }
 #if __METAL_VERSION__ >= 310
-inline void store_param8(device bfloat* dst, float x, constant Adam8bitParams& hp, ulong index) {
+inline void store_param_lowbit(device bfloat* dst, float x, constant Adam8bitParams& hp, ulong index) {
   if (hp.sr != 0) {
     *(device ushort*)dst = ParamStore<AdamSRRule>::round1(x, hp.sr_key, index);
   } else {
@@ -423,51 +470,60 @@ inline void store_param8(device bfloat* dst, float x, constant Adam8bitParams& h
 #endif
 
 template <typename Rule, typename P, typename S>
-kernel void fused_step_8bit(device P* param [[buffer(0)]],
-                            device const P* grad [[buffer(1)]],
-                            device S* codes1 [[buffer(2)]],
-                            device S* codes2 [[buffer(3)]],
-                            device float* absmax1 [[buffer(4)]],
-                            device float* absmax2 [[buffer(5)]],
-                            device const float* map1 [[buffer(6)]],
-                            device const float* map2 [[buffer(7)]],
-                            constant typename Rule::Params& hp [[buffer(8)]],
-                            constant ulong& base [[buffer(9)]],
-                            constant ulong& n [[buffer(10)]],
-                            uint tid [[thread_position_in_grid]]) {
+kernel void fused_step_blockwise(device P* param [[buffer(0)]],
+                                 device const P* grad [[buffer(1)]],
+                                 device S* codes1 [[buffer(2)]],
+                                 device S* codes2 [[buffer(3)]],
+                                 device float* absmax1 [[buffer(4)]],
+                                 device float* absmax2 [[buffer(5)]],
+                                 device const float* map1 [[buffer(6)]],
+                                 device const float* map2 [[buffer(7)]],
+                                 constant typename Rule::Params& hp [[buffer(8)]],
+                                 constant ulong& base [[buffer(9)]],
+                                 constant ulong& n [[buffer(10)]],
+                                 uint tid [[thread_position_in_grid]]) {
+  typedef typename Rule::Format Fmt;
+  const uint per = 8 / Fmt::kBits;  // codes per byte
   const ulong lo = base + ulong(tid) * 4;
-  if (lo % 256 != 0 || lo >= n) {
+  if (lo % Fmt::kBlock != 0 || lo >= n) {
     return;
   }
-  const ulong hi = n - lo < 256 ? n : lo + 256;
-  const ulong b = lo >> 8;  // the block: 256 elements
+  const ulong hi = n - lo < Fmt::kBlock ? n : lo + Fmt::kBlock;
+  const ulong b = lo / Fmt::kBlock;
   const float a1 = absmax1[b];
   const float a2 = absmax2[b];
   float mx1 = 0.0f;
   float mx2 = 0.0f;
   for (ulong i = lo; i < hi; ++i) {
     float p = float(param[i]);
-    float m = map1[codes1[i]] * a1;
-    float v = map2[codes2[i]] * a2;
+    float m = map1[load_code<Fmt>(codes1, i)] * a1;
+    float v = map2[load_code<Fmt>(codes2, i)] * a2;
     Rule::apply(p, float(grad[i]), m, v, hp);
     mx1 = nan_max(mx1, metal::fabs(m));  // qualified: libc++'s ::fabs(float) is visible too in C++
     mx2 = nan_max(mx2, metal::fabs(v));
   }
   const float inv1 = mx1 == 0.0f ? 0.0f : metal::precise::divide(1.0f, mx1);
   const float inv2 = mx2 == 0.0f ? 0.0f : metal::precise::divide(1.0f, mx2);
+  // A byte's codes are gathered here and stored with its last one (or the tensor's: an odd 4-bit
+  // tensor's last byte keeps a zero low nibble), so every code byte is written once, never read back.
+  uint byte1 = 0;
+  uint byte2 = 0;
   for (ulong i = lo; i < hi; ++i) {
     float p = float(param[i]);
-    float m = map1[codes1[i]] * a1;
-    float v = map2[codes2[i]] * a2;
+    float m = map1[load_code<Fmt>(codes1, i)] * a1;
+    float v = map2[load_code<Fmt>(codes2, i)] * a2;
     Rule::apply(p, float(grad[i]), m, v, hp);
-    store_param8(param + i, p, hp, i);
-    codes1[i] = S(code_of(m * inv1, map1));
-    const float x2 = v * inv2;
-    uint c2 = code_of(x2, map2);
-    if (c2 == 0 && x2 > 0.0f) {
-      c2 = 1;  // a positive second moment is never stored as zero
+    store_param_lowbit(param + i, p, hp, i);
+    byte1 = (byte1 << Fmt::kBits) | Fmt::code1(m * inv1, map1);
+    byte2 = (byte2 << Fmt::kBits) | Fmt::code2(v * inv2, map2);
+    const uint slot = uint(i % per);
+    if (slot == per - 1 || i + 1 == hi) {
+      const uint pad = Fmt::kBits * (per - 1 - slot);
+      codes1[i / per] = S(byte1 << pad);
+      codes2[i / per] = S(byte2 << pad);
+      byte1 = 0;
+      byte2 = 0;
     }
-    codes2[i] = S(c2);
   }
   absmax1[b] = mx1;
   absmax2[b] = mx2;
@@ -492,17 +548,20 @@ kernel void fused_step_8bit(device P* param [[buffer(0)]],
   X(fused_step_##STATES, RULE, NAME, bfloat, float)        \
   X(fused_step_##STATES, RULE, NAME, bfloat, bfloat)
 
-// Every rule's plain pairs, then 8-bit Adam (uchar codes; buffers of fused_step_8bit).
-#define FUSED_KERNELS(X)                                       \
-  FUSED_RULES(FUSED_PAIRS, X)                                  \
-  X(fused_step_8bit, Adam8bitRule, adam8bit, float, uchar)     \
-  X(fused_step_8bit, Adam8bitRule, adam8bit, half, uchar)
+// Every rule's plain pairs, then 8-bit and 4-bit Adam (uchar codes; buffers of fused_step_blockwise).
+#define FUSED_KERNELS(X)                                            \
+  FUSED_RULES(FUSED_PAIRS, X)                                       \
+  X(fused_step_blockwise, Adam8bitRule, adam8bit, float, uchar)     \
+  X(fused_step_blockwise, Adam8bitRule, adam8bit, half, uchar)      \
+  X(fused_step_blockwise, Adam4bitRule, adam4bit, float, uchar)     \
+  X(fused_step_blockwise, Adam4bitRule, adam4bit, half, uchar)
 // Every rule's bfloat pairs, then those that exist for bfloat params only: Adam storing the param
-// by stochastic rounding, and 8-bit Adam's bfloat param.
-#define FUSED_KERNELS_BFLOAT(X)                                \
-  FUSED_RULES(FUSED_PAIRS_BFLOAT, X)                           \
-  FUSED_PAIRS_BFLOAT(X, AdamSRRule, adam_sr, 2)                \
-  X(fused_step_8bit, Adam8bitRule, adam8bit, bfloat, uchar)
+// by stochastic rounding, and 8-bit and 4-bit Adam's bfloat param.
+#define FUSED_KERNELS_BFLOAT(X)                                     \
+  FUSED_RULES(FUSED_PAIRS_BFLOAT, X)                                \
+  FUSED_PAIRS_BFLOAT(X, AdamSRRule, adam_sr, 2)                     \
+  X(fused_step_blockwise, Adam8bitRule, adam8bit, bfloat, uchar)    \
+  X(fused_step_blockwise, Adam4bitRule, adam4bit, bfloat, uchar)
 
 // An explicit instantiation's attributes. tests/metal_compat.h defines this as nothing before
 // including the file: clang's C++ allows no attribute list on an explicit instantiation.

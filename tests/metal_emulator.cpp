@@ -26,13 +26,14 @@ void launch_fused_step_1(void* const* b, const void* hp, ulong base, ulong n, ui
                            *static_cast<const typename Rule::Params*>(hp), base, n, gid);
 }
 
-// The 8-bit Adam kernel: param, grad, two code buffers, two scale buffers, two map tables.
+// The block-wise (8-bit and 4-bit) Adam kernels: param, grad, two code buffers, two scale
+// buffers, two map tables.
 template <typename Rule, typename P, typename S>
-void launch_fused_step_8bit(void* const* b, const void* hp, ulong base, ulong n, uint gid) {
-  fused_step_8bit<Rule, P, S>(static_cast<P*>(b[0]), static_cast<const P*>(b[1]), static_cast<S*>(b[2]),
-                              static_cast<S*>(b[3]), static_cast<float*>(b[4]), static_cast<float*>(b[5]),
-                              static_cast<const float*>(b[6]), static_cast<const float*>(b[7]),
-                              *static_cast<const typename Rule::Params*>(hp), base, n, gid);
+void launch_fused_step_blockwise(void* const* b, const void* hp, ulong base, ulong n, uint gid) {
+  fused_step_blockwise<Rule, P, S>(static_cast<P*>(b[0]), static_cast<const P*>(b[1]), static_cast<S*>(b[2]),
+                                   static_cast<S*>(b[3]), static_cast<float*>(b[4]), static_cast<float*>(b[5]),
+                                   static_cast<const float*>(b[6]), static_cast<const float*>(b[7]),
+                                   *static_cast<const typename Rule::Params*>(hp), base, n, gid);
 }
 
 template <void (*Launch)(void* const*, const void*, ulong, ulong, uint)>

@@ -67,10 +67,10 @@ def test_extension_kernel_names_and_struct_match_the_kernel():
     kernel = METAL_SOURCE.read_text()
     for idx, name in [(4, "hp"), (5, "base"), (6, "n")]:
         assert re.search(rf"&\s*{name}\s*\[\[buffer\({idx}\)\]\]", kernel), name
-    # Every kernel shape (two states, one state, 8-bit), the same layout: K buffers 0..K-1, then
+    # Every kernel shape (two states, one state, block-wise low-bit), the same layout: K buffers 0..K-1, then
     # hp, base and n at K, K + 1, K + 2, which is what the extension binds.
     shapes = re.findall(r"kernel void (\w+)\((.*?)\)\s*\{", kernel, flags=re.S)
-    assert sorted(name for name, _ in shapes) == ["fused_step_1", "fused_step_2", "fused_step_8bit"]
+    assert sorted(name for name, _ in shapes) == ["fused_step_1", "fused_step_2", "fused_step_blockwise"]
     for name, args in shapes:
         bound = [(arg, int(idx)) for arg, idx in re.findall(r"(\w+)\s*\[\[buffer\((\d+)\)\]\]", args)]
         k = len(bound) - 3
