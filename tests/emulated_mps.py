@@ -103,6 +103,7 @@ class Emulator:
         for fn in (lib.emu_round_half, lib.emu_round_bfloat):
             fn.argtypes = [vp, vp, u64]
         lib.emu_code_of.argtypes = [vp, vp, vp, u64]
+        lib.emu_code4_of.argtypes = [vp, vp, vp, u64]
         self.kernel_names = [lib.emu_kernel_name(k).decode() for k in range(lib.emu_kernel_count())]
         # Per kernel: bytes of its rule's Params struct and its buffer count (param, grad, states).
         self.params_size = {k: int(lib.emu_params_size(k.encode())) for k in self.kernel_names}
@@ -122,9 +123,17 @@ class Emulator:
 
     def code_of(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """The 8-bit kernel's ``code_of`` (its nearest-code search, no floor) of each fp32 in ``x``."""
+        return self._codes(self.lib.emu_code_of, x, table)
+
+    def code4_of(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """The 4-bit kernel's nearest-code search (``Nibbles4::code1``) of each fp32 in ``x``."""
+        return self._codes(self.lib.emu_code4_of, x, table)
+
+    @staticmethod
+    def _codes(fn, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         x, table = x.contiguous(), table.contiguous()
         out = torch.empty(x.numel(), dtype=torch.uint8)
-        self.lib.emu_code_of(x.data_ptr(), table.data_ptr(), out.data_ptr(), x.numel())
+        fn(x.data_ptr(), table.data_ptr(), out.data_ptr(), x.numel())
         return out
 
     def run_tensors(self, p, g, m, v, hyper: bytes, *, base: int = 0, threads: int | None = None,

@@ -144,6 +144,11 @@ void emu_code_of(const float* x, const float* table, uint8_t* out, uint64_t n) {
   for (uint64_t i = 0; i < n; ++i) out[i] = uint8_t(code_of(x[i], table));
 }
 
+// The 4-bit kernel's nearest-code search (Nibbles4::code1) alone, on a kernel_table4 map.
+void emu_code4_of(const float* x, const float* table, uint8_t* out, uint64_t n) {
+  for (uint64_t i = 0; i < n; ++i) out[i] = uint8_t(Nibbles4::code1(x[i], table));
+}
+
 void emu_coverage_dump(void) {
 #ifdef EMU_COVERAGE
   __gcov_dump();

@@ -94,26 +94,28 @@ def test_kernel_names_agree(emu):
     exported = host_names(METAL_SOURCE.read_text())
     assert sorted(exported) == sorted(emu.kernel_names) == sorted(KERNELS.values())
     # Five dtype pairs per rule, Adam with stochastic rounding for the two bf16-param pairs, and
-    # 8-bit Adam for the three param dtypes.
-    assert len(exported) == 5 * len(RULES) + 2 + 3
-    assert {f"fused_adam8bit_{p}_uchar" for p in ("float", "half", "bfloat")} <= set(exported)
+    # 8-bit and 4-bit Adam for the three param dtypes.
+    assert len(exported) == 5 * len(RULES) + 2 + 3 + 3
+    assert {f"fused_adam{b}bit_{p}_uchar" for b in (8, 4) for p in ("float", "half", "bfloat")} <= set(exported)
     assert {"fused_adam_sr_bfloat_float", "fused_adam_sr_bfloat_bfloat"} <= set(exported)
     # Before Metal 3.1 (no bfloat type) only the float and half kernels exist.
     assert sorted(host_names(METAL_SOURCE.read_text(), metal_version=300)) == sorted(
         [f"fused_{rule}_{pair}" for rule in RULES for pair in ("float_float", "half_float", "half_half")]
-        + ["fused_adam8bit_float_uchar", "fused_adam8bit_half_uchar"])
+        + [f"fused_adam{b}bit_{p}_uchar" for b in (8, 4) for p in ("float", "half")])
 
 
 def test_params_struct_size(emu):
     """Every kernel's Params struct is its rule's packed scalars, byte for byte in size, and
     takes param, grad and the rule's states."""
     hypers = {**RULE_HYPER, "adam_sr": lowbit.AdamSRHyper(RULE_HYPER["adam"], 0xDEADBEEF),
-              "adam8bit": lowbit.Adam8bitTensorHyper(RULE_HYPER["adam"], 7)}
+              "adam8bit": lowbit.Adam8bitTensorHyper(RULE_HYPER["adam"], 7),
+              "adam4bit": lowbit.Adam8bitTensorHyper(RULE_HYPER["adam"], 7)}
     for (rule, _, _), name in KERNELS.items():
         assert emu.params_size[name] == len(METAL_RULES[rule].pack(hypers[rule]))
         assert emu.buffer_count[name] == 2 + len(METAL_RULES[rule].states)
     assert emu.params_size["fused_adam_sr_bfloat_float"] == 48
     assert emu.params_size["fused_adam8bit_float_uchar"] == 56
+    assert emu.params_size["fused_adam4bit_bfloat_uchar"] == 56  # the 8-bit rule's struct
     assert emu.params_size["fused_adam_float_float"] == 44
 
 
@@ -267,6 +269,7 @@ def test_every_line_of_the_kernel_runs(tmp_path):
         for mode in (MODES[0], MODES[5]):
             for sr in ((False, True) if pdtype is torch.bfloat16 else (False,)):
                 run_8bit(cov, 300, pdtype, mode, sr=sr, steps=1, specials=True)
+                run_4bit(cov, 301, pdtype, mode, sr=sr, steps=1, specials=True)
     cov.lib.emu_coverage_dump()
     proc = subprocess.run([gcov, "-m", "-o", str(tmp_path), str(Path(__file__).parent / "metal_emulator.cpp")],
                           cwd=tmp_path, capture_output=True, text=True)
@@ -278,8 +281,9 @@ def test_every_line_of_the_kernel_runs(tmp_path):
     # demangler leaves the _Float16 ones mangled.)
     kernels = re.findall(r"^(?:void fused_step_[12]<[^>]*>|_Z12fused_step_[12]\w+)", report, flags=re.M)
     assert len(kernels) == 5 * len(RULES) + 2, kernels
-    # gcov shows the 8-bit kernel's lines merged over its instantiations: each one was dispatched.
-    assert {d["name"] for d in cov.dispatches} >= {f"fused_adam8bit_{p}_uchar" for p in ("float", "half", "bfloat")}
+    # gcov shows the block-wise kernel's lines merged over its instantiations: each one was dispatched.
+    assert {d["name"] for d in cov.dispatches} >= {f"fused_adam{b}bit_{p}_uchar" for b in (8, 4)
+                                                   for p in ("float", "half", "bfloat")}
     executed = [int(c) for c in re.findall(r"^\s*(\d+)\*?:\s+\d+:\s+Rule::apply\(", report, re.M)]
     assert executed and all(c > 0 for c in executed)
 
@@ -481,3 +485,169 @@ def test_8bit_search_matches_reference_near_every_midpoint(emu, signed):
     want = midpoint_count(x, signed)
     bad = (got != want).nonzero().flatten()
     assert bad.numel() == 0, [(float(x[i]), int(want[i]), int(got[i])) for i in bad[:8]]
+
+
+# ---- 4-bit block-wise Adam (lowbit4.py) --------------------------------------------------------
+
+_SHORT_P = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat"}
+
+
+def make_4bit(n: int, pdtype, seed: int, specials: bool = False):
+    """A param and 4-bit states as after some steps: random codes (packed, the padding nibble of
+    an odd n zero), positive block scales, block 1 fresh (codes of 0.0, zero scales) where there
+    is one; specials put NaN, Inf and zero in the param and one large second moment in block 0."""
+    from mps_fused_adam.numerics import lowbit4
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.randn(n, generator=gen).to(pdtype)
+    blocks = lowbit4.num_blocks4(n)
+    q1 = torch.randint(0, 16, (n,), generator=gen, dtype=torch.uint8)
+    q2 = torch.randint(0, 16, (n,), generator=gen, dtype=torch.uint8)
+    a1 = 0.1 * torch.rand(blocks, generator=gen) + 0.01
+    a2 = 0.01 * torch.rand(blocks, generator=gen) + 1e-4
+    b = lowbit4.BLOCK4
+    if blocks > 1:
+        q1[b:2 * b] = lowbit4.SIGNED_ZERO_CODE4
+        q2[b:2 * b] = 0
+        a1[1] = a2[1] = 0.0
+    if specials:
+        p[:3] = torch.tensor([float("nan"), float("inf"), 0.0])
+        q2[:min(n, b)] = 0
+        q2[min(n, b) - 1] = 15
+        a2[0] = 1e6
+    return [p, lowbit4.pack_codes4(q1), lowbit4.pack_codes4(q2), a1, a2]
+
+
+def run_4bit(emu: Emulator, n: int, pdtype, mode: dict, sr: bool = False, seed: int = 0, steps: int = STEPS,
+             specials: bool = False, group: int = 256, reverse: bool = False, split: bool = False,
+             grad_specials: bool = False, start=None, zero_grad_block: int | None = None):
+    """``steps`` steps of fused_adam4bit_*_uchar (one dispatch, or two split at the second block)
+    and of reference_adam4bit_ from the same state (``start``, else :func:`make_4bit`);
+    ``grad_specials`` as in :func:`run_8bit`; ``zero_grad_block``: that block's gradient is 0."""
+    from mps_fused_adam.numerics import lowbit4
+    from mps_fused_adam.numerics.reference_lowbit import reference_adam4bit_
+    start = start if start is not None else make_4bit(n, pdtype, seed, specials)
+    ours = [t.clone() for t in start]
+    ref = [t.clone() for t in start]
+    tables = (lowbit4.kernel_table4(True), lowbit4.kernel_table4(False))
+    name = f"fused_adam4bit_{_SHORT_P[pdtype]}_uchar"
+    b = lowbit4.BLOCK4
+    for step, g in enumerate(grads(n, pdtype, seed, steps), start=1):
+        if grad_specials:
+            g[3:5] = torch.tensor([float("nan"), float("inf")])
+        if zero_grad_block is not None:
+            g[zero_grad_block * b:(zero_grad_block + 1) * b] = 0
+        hp = hyper(step, **mode)
+        key = lowbit.sr_key(0xFEEDFACE + seed, step) if sr else None
+        packed = pack_params(lowbit.Adam8bitTensorHyper(hp, key), "adam4bit")
+        p, c1, c2, a1, a2 = ours
+        addrs = tuple(t.data_ptr() for t in (p, g, c1, c2, a1, a2, *tables))
+        if split and n > b:
+            emu.dispatch(name, addrs, packed, 0, n, b // 4, group, reverse)  # block 0 only
+            emu.dispatch(name, addrs, packed, b, n, -(-(n - b) // 4), group, reverse)
+        else:
+            emu.dispatch(name, addrs, packed, 0, n, -(-n // 4), group, reverse)
+        reference_adam4bit_(ref[0], g, ref[1], ref[3], ref[2], ref[4], hp, key)
+    return ours, ref
+
+
+# n: one element; one byte; a block less one, a block, a block and one; odd sizes over several
+# blocks (the padding nibble); sizes whose threadgroups of 256 threads hold 8 blocks each.
+SIZES4 = [1, 2, 3, 127, 128, 129, 255, 1001, 4097, 8193]
+
+
+@pytest.mark.parametrize("n", SIZES4)
+@pytest.mark.parametrize("mode", [MODES[0], MODES[3], MODES[5]], ids=[MODE_IDS[0], MODE_IDS[3], MODE_IDS[5]])
+@pytest.mark.parametrize("pdtype", P8, ids=["f32", "f16", "bf16"])
+def test_4bit_kernel_matches_reference_bitwise(emu, n, mode, pdtype):
+    ours, ref = run_4bit(emu, n, pdtype, mode, seed=n)
+    assert_8bit_equal(ours, ref)
+    assert ours[1].numel() == ours[2].numel() == (n + 1) // 2
+    if n % 2:
+        assert ours[1][-1] & 0x0F == 0 and ours[2][-1] & 0x0F == 0, "an odd tensor's padding nibble is 0"
+
+
+@pytest.mark.parametrize("n", [129, 4097])
+def test_4bit_kernel_with_stochastic_rounding_matches_reference(emu, n):
+    ours, ref = run_4bit(emu, n, torch.bfloat16, MODES[0], sr=True, seed=n, specials=True)
+    assert_8bit_equal(ours, ref)
+    assert ours[0][0].isnan()
+    plain, plain_ref = run_4bit(emu, n, torch.bfloat16, MODES[0], sr=False, seed=n, specials=True)
+    assert_8bit_equal(plain, plain_ref)
+    assert (bits(plain[0]) != bits(ours[0])).any()  # the switch does round stochastically
+
+
+@pytest.mark.parametrize("n", [5, 300])
+@pytest.mark.parametrize("pdtype", P8, ids=["f32", "f16", "bf16"])
+def test_4bit_kernel_l2_specials_nan_blocks(emu, n, pdtype):
+    """As the 8-bit test: L2 mode carries the NaN param and the NaN/Inf gradients into block 0's
+    moments, whose scales turn NaN as torch's amax does; the other blocks stay finite and exact."""
+    ours, ref = run_4bit(emu, n, pdtype, MODES[5], seed=n, steps=2, specials=True, grad_specials=True)
+    for name, a, b in zip(("param", "exp_avg codes", "exp_avg_sq codes", "exp_avg absmax", "exp_avg_sq absmax"),
+                          ours, ref):
+        if a.dtype is torch.uint8:
+            assert torch.equal(a, b), name
+            continue
+        nan = b.isnan()
+        assert torch.equal(a.isnan(), nan), name
+        assert torch.equal(bits(a)[~nan], bits(b)[~nan]), name
+    for a, b in ((ours[3], ref[3]), (ours[4], ref[4])):
+        assert b[0].isnan() and a[0].isnan()
+        assert torch.isfinite(a[1:]).all() and torch.equal(a[1:], b[1:])
+
+
+@pytest.mark.parametrize("pdtype", P8, ids=["f32", "f16", "bf16"])
+def test_4bit_kernel_zero_blocks(emu, pdtype):
+    """A fresh state (first-moment bytes 0x77, second 0x00, zero scales) and a block whose gradient
+    is zero at every step: in AdamW mode its scales stay 0 and its codes those of 0.0 (code 7; the
+    second moment's code 0 under a zero scale), while the other blocks move; in L2 mode the decay
+    reaches the moments. Bit for bit the reference in both."""
+    from mps_fused_adam.numerics import lowbit4
+    n, b = 1001, lowbit4.BLOCK4
+    gen = torch.Generator().manual_seed(9)
+    p = torch.randn(n, generator=gen).to(pdtype)
+    nb = lowbit4.num_blocks4(n)
+    start = [p, lowbit4.fresh_codes4(n, True), lowbit4.fresh_codes4(n, False), torch.zeros(nb), torch.zeros(nb)]
+    assert start[1][-1] == 0x70  # odd n: the padding nibble of a fresh state is 0 too
+    for mode in (MODES[0], MODES[4]):
+        ours, ref = run_4bit(emu, n, pdtype, mode, seed=9, start=start, zero_grad_block=2)
+        assert_8bit_equal(ours, ref)
+        moved = [k for k in range(nb) if k != 2]
+        assert (ours[3][moved] > 0).all() and (ours[4][moved] > 0).all()
+        zero_bytes = slice(2 * b // 2, 3 * b // 2)  # block 2's code bytes
+        if mode["adam_w_mode"]:
+            assert ours[3][2] == 0 and ours[4][2] == 0
+            assert (ours[1][zero_bytes] == 0x77).all() and (ours[2][zero_bytes] == 0).all()
+        else:
+            assert ours[3][2] > 0 and ours[4][2] > 0
+
+
+@pytest.mark.parametrize("group,reverse,split", [(1, True, False), (7, True, False), (32, False, True),
+                                                 (1024, True, True)])
+def test_4bit_kernel_independent_of_threadgroups_order_and_dispatch_split(emu, group, reverse, split):
+    """Threadgroups of 1 to 1,024 threads (32 threads, 4 blocks, per group of 256 by default),
+    backwards, and a tensor split into two dispatches at its second block: the same bits."""
+    want, ref = run_4bit(emu, 4099, torch.float32, MODES[0], seed=3)
+    assert_8bit_equal(want, ref)
+    got, _ = run_4bit(emu, 4099, torch.float32, MODES[0], seed=3, group=group, reverse=reverse, split=split)
+    assert_8bit_equal(got, want)
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_4bit_search_matches_reference_at_every_midpoint(emu, signed):
+    """The 4-bit kernel's code search on each midpoint, its fp32 neighbours, every code value,
+    zeros, infinities, NaN and random values, against the contract's count of midpoints strictly
+    below (a value on a midpoint takes the lower code)."""
+    from mps_fused_adam.numerics import lowbit4
+    mids = lowbit4.midpoints4(signed)
+    table = lowbit4.kernel_table4(signed)
+    up = torch.nextafter(mids, torch.full_like(mids, float("inf")))
+    down = torch.nextafter(mids, torch.full_like(mids, -float("inf")))
+    gen = torch.Generator().manual_seed(4)
+    x = torch.cat([mids, up, down, lowbit4.map4(signed), -lowbit4.map4(signed),
+                   torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 2.0, -2.0, 1e-30, -1e-30]),
+                   torch.rand(10_000, generator=gen) * 2 - 1])
+    want = torch.searchsorted(mids, x, right=False)
+    got = emu.code4_of(x, table).long()
+    assert torch.equal(got, want), [(float(x[i]), int(want[i]), int(got[i])) for i in (got != want).nonzero()[:8]]
+    assert int(emu.code4_of(torch.tensor([float("nan")]), table)[0]) == 0
+    assert torch.equal(emu.code4_of(mids, table).long(), torch.arange(15))  # on a midpoint: the lower code

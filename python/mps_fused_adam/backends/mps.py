@@ -36,6 +36,7 @@ from .addressing import addresses, numels
 from .kernel import Kernel, describe
 from ..numerics.contract import RULES, AdamHyper, rule as rule_spec
 from ..numerics.lowbit import ADAM8BIT, ADAM_SR, Adam8bitTensorHyper, AdamSRHyper, kernel_table
+from ..numerics.lowbit4 import ADAM4BIT, kernel_table4
 
 ELEMS_PER_THREAD = 4
 # 2^30 threads cover 2^32 elements: thread_position_in_grid is a 32-bit uint, and keeping each
@@ -64,20 +65,23 @@ METAL_SOURCE_NAME = "fused_adam.metal"
 # Storage dtype names as the kernels' host names spell them.
 _DTYPE_NAMES = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat"}
 
-# The rules the Metal kernels run: contract.RULES, and Adam storing a bf16 param by stochastic
-# rounding (lowbit.ADAM_SR, bf16 params only).
-METAL_RULES = {**RULES, ADAM_SR.name: ADAM_SR, ADAM8BIT.name: ADAM8BIT}
+# The rules the Metal kernels run: contract.RULES, Adam storing a bf16 param by stochastic
+# rounding (lowbit.ADAM_SR, bf16 params only), and the block-wise 8-bit and 4-bit Adam rules.
+METAL_RULES = {**RULES, ADAM_SR.name: ADAM_SR, ADAM8BIT.name: ADAM8BIT, ADAM4BIT.name: ADAM4BIT}
+# The block-wise rules' map tables, signed (first moment) and unsigned (second), on a device.
+LOWBIT_TABLES: dict[str, Callable[[bool, Any], torch.Tensor]] = {ADAM8BIT.name: kernel_table,
+                                                                 ADAM4BIT.name: kernel_table4}
 
 # (rule, param dtype, state dtype) -> kernel host name; states are fp32 or the param dtype
-# (8-bit Adam: uint8 codes, any param dtype).
+# (8-bit and 4-bit Adam: uint8 codes, any param dtype).
 KERNELS = {
     Kernel(r, p, s): f"fused_{r}_{_DTYPE_NAMES[p]}_{_DTYPE_NAMES[s]}"
     for r in RULES for p in _DTYPE_NAMES for s in (torch.float32, p)
 }
 KERNELS.update({Kernel(ADAM_SR.name, torch.bfloat16, s): f"fused_{ADAM_SR.name}_bfloat_{_DTYPE_NAMES[s]}"
                 for s in (torch.float32, torch.bfloat16)})
-KERNELS.update({Kernel(ADAM8BIT.name, p, torch.uint8): f"fused_{ADAM8BIT.name}_{_DTYPE_NAMES[p]}_uchar"
-                for p in _DTYPE_NAMES})
+KERNELS.update({Kernel(r, p, torch.uint8): f"fused_{r}_{_DTYPE_NAMES[p]}_uchar"
+                for r in LOWBIT_TABLES for p in _DTYPE_NAMES})
 _BY_NAME = {name: k for k, name in KERNELS.items()}
 # The kernel every tier must run to be used at all: its first-use probe is this kernel's.
 BASE_KERNEL = Kernel("adam", torch.float32, torch.float32)
@@ -113,12 +117,14 @@ def kernel_calls(rule: str, params, grads, states, hp, sr_keys=None):
     """The Metal kernel calls ``(rule, params, grads, states, hyper)`` of one backend call: itself
     (a call in the kernels' own form included: ``AdamSRHyper``/``Adam8bitTensorHyper``), or, for
     the low-bit rules in the optimizers' form (``backends``' docstring), one call per tensor (the key
-    is per tensor) in the kernels' buffer order (codes, codes, scales, scales, then the two maps)."""
+    is per tensor) in the kernels' buffer order (codes, codes, scales, scales, then the two maps:
+    ``lowbit.kernel_table`` for 8-bit, ``lowbit4.kernel_table4`` for 4-bit)."""
     if hasattr(hp, "adam"):
         yield rule, params, grads, states, hp
-    elif rule == ADAM8BIT.name:
+    elif rule in LOWBIT_TABLES:
+        table = LOWBIT_TABLES[rule]
         for i, (p, g, c1, a1, c2, a2) in enumerate(zip(params, grads, *states)):
-            maps = [[kernel_table(True, p.device)], [kernel_table(False, p.device)]]
+            maps = [[table(True, p.device)], [table(False, p.device)]]
             yield (rule, [p], [g], [[c1], [c2], [a1], [a2], *maps],
                    Adam8bitTensorHyper(hp, None if sr_keys is None else sr_keys[i]))
     elif rule == ADAM_SR.name or sr_keys is not None:
@@ -351,7 +357,8 @@ class ShaderLibraryBackend(_PerKernel):
                 fn(*tensors, words, base, n, threads=threads, group_size=min(group, threads))
 
 
-# 67 threads of 4 elements and a tail of 1; for 8-bit states one whole block of 256 and a short one.
+# 67 threads of 4 elements and a tail of 1; for 8-bit states one whole block of 256 and a short one,
+# for 4-bit states two whole blocks of 128, a short one and an odd count (a padding nibble).
 PROBE_ELEMENTS = 269
 PROBE_SEED = 0x5EED  # the stochastic-rounding seed of the probes' second step
 
@@ -361,23 +368,27 @@ def _probe_inputs(kernel: Kernel, n: int) -> tuple[list[torch.Tensor], list[Any]
     tensors (in kernel order) on the CPU, the hyperparameters of each step (each rule's two
     example modes, the second also with maximize; the low-bit rules with and without their key),
     and ``reference(tensors, hp)``, which steps CPU tensors in place."""
-    from ..numerics import lowbit
+    from ..numerics import lowbit, lowbit4
     from ..numerics.contract import example
     from ..numerics.reference import REFERENCES
-    from ..numerics.reference_lowbit import reference_adam8bit_, reference_adam_sr_
+    from ..numerics.reference_lowbit import reference_adam4bit_, reference_adam8bit_, reference_adam_sr_
     rule, pdt, sdt = kernel
     gen = torch.Generator().manual_seed(0)
     p, g = torch.randn(n, generator=gen).to(pdt), torch.randn(n, generator=gen).to(pdt)
     adam = [example("adam").hyper(1, adam_w_mode=True), example("adam").hyper(2, maximize=True, adam_w_mode=False)]
-    if rule == ADAM8BIT.name:
-        nb = lowbit.num_blocks(n)
-        states = [torch.full((n,), lowbit.SIGNED_ZERO_CODE, dtype=torch.uint8),
-                  torch.full((n,), lowbit.UNSIGNED_ZERO_CODE, dtype=torch.uint8), torch.zeros(nb), torch.zeros(nb),
-                  lowbit.kernel_table(True), lowbit.kernel_table(False)]
+    if rule in LOWBIT_TABLES:  # fresh states: every moment 0.0 under zero scales
+        if rule == ADAM8BIT.name:
+            nb, ref = lowbit.num_blocks(n), reference_adam8bit_
+            codes = [torch.full((n,), lowbit.SIGNED_ZERO_CODE, dtype=torch.uint8),
+                     torch.full((n,), lowbit.UNSIGNED_ZERO_CODE, dtype=torch.uint8)]
+        else:
+            nb, ref = lowbit4.num_blocks4(n), reference_adam4bit_
+            codes = [lowbit4.fresh_codes4(n, True), lowbit4.fresh_codes4(n, False)]
+        table = LOWBIT_TABLES[rule]
+        states = [*codes, torch.zeros(nb), torch.zeros(nb), table(True, "cpu"), table(False, "cpu")]
         key = lowbit.sr_key(PROBE_SEED, 2) if pdt is torch.bfloat16 else None
         hypers = [lowbit.Adam8bitTensorHyper(adam[0]), lowbit.Adam8bitTensorHyper(adam[1], key)]
-        return [p, g, *states], hypers, lambda t, hp: reference_adam8bit_(
-            t[0], t[1], t[2], t[4], t[3], t[5], hp.adam, hp.sr_key)
+        return [p, g, *states], hypers, lambda t, hp: ref(t[0], t[1], t[2], t[4], t[3], t[5], hp.adam, hp.sr_key)
     if rule == ADAM_SR.name:
         states = [(0.1 * torch.randn(n, generator=gen)).to(sdt), (0.01 * torch.rand(n, generator=gen)).to(sdt)]
         hypers = [lowbit.AdamSRHyper(hp, lowbit.sr_key(PROBE_SEED, hp.step)) for hp in adam]
@@ -434,7 +445,7 @@ def probe_kernel(backend: Any, kernel: Kernel, device: str | torch.device, n: in
     except Exception as exc:
         return f"{what} failed: {exc!r}"
     names = ["param", *(RULES.get(kernel.rule) or METAL_RULES[kernel.rule]).states]
-    if kernel.rule == ADAM8BIT.name:
+    if kernel.rule in LOWBIT_TABLES:
         names = names[:5]  # the maps are read-only tables, not outputs
     for name, k in zip(names, [0, *range(2, len(start))]):
         wrong = _differs(got[k], want[k])
