@@ -397,12 +397,14 @@ inline uint code_of(float x, device const float* table) {
   return 127u + q8_count(y, table, 127u);
 }
 
-// A code format: kBits per code (8 / kBits codes per byte, the first element's code in the high
-// bits), kBlock elements per block, and the quantizer of each moment on its map's kernel table.
+// A code format: kBits per code, 2^kPerByteLog2 codes per byte (the first element's code in the
+// high bits), 2^kBlockLog2 elements per block, and the quantizer of each moment on its map's
+// kernel table. (Shifts rather than divisions: the source has no bare "/", see
+// tests/test_metal_sources.py.)
 // Codes8: one code per byte, blocks of 256, lowbit.kernel_table (256 values, 255 midpoints, the
 // search's constants); a positive second moment never takes the zero code.
 struct Codes8 {
-  enum : uint { kBits = 8, kBlock = 256 };
+  enum : uint { kBits = 8, kPerByteLog2 = 0, kBlockLog2 = 8 };
   static inline uint code1(float x, device const float* table) { return code_of(x, table); }
   static inline uint code2(float x, device const float* table) {
     const uint c = code_of(x, table);
@@ -414,7 +416,7 @@ struct Codes8 {
 // lowbit4.kernel_table4 (16 values, then 15 midpoints). The second moment's map has no zero, so
 // both moments take the plain nearest code.
 struct Nibbles4 {
-  enum : uint { kBits = 4, kBlock = 128 };
+  enum : uint { kBits = 4, kPerByteLog2 = 1, kBlockLog2 = 7 };
   // The number of the 15 sorted midpoints strictly below x, by four halving steps (15 = 2^4 - 1);
   // NaN fails every comparison: code 0.
   static inline uint code1(float x, device const float* table) {
@@ -432,9 +434,9 @@ struct Nibbles4 {
 // Code i of a tensor's codes in format Fmt.
 template <typename Fmt, typename S>
 inline uint load_code(device const S* codes, ulong i) {
-  const uint per = 8 / Fmt::kBits;
-  const uint shift = Fmt::kBits * (per - 1 - uint(i % per));
-  return (uint(codes[i / per]) >> shift) & ((1u << Fmt::kBits) - 1u);
+  const uint last = (1u << Fmt::kPerByteLog2) - 1u;  // the slot of a byte's last code
+  const uint shift = Fmt::kBits * (last - (uint(i) & last));
+  return (uint(codes[i >> Fmt::kPerByteLog2]) >> shift) & ((1u << Fmt::kBits) - 1u);
 }
 
 template <typename Fmt>
@@ -483,13 +485,14 @@ kernel void fused_step_blockwise(device P* param [[buffer(0)]],
                                  constant ulong& n [[buffer(10)]],
                                  uint tid [[thread_position_in_grid]]) {
   typedef typename Rule::Format Fmt;
-  const uint per = 8 / Fmt::kBits;  // codes per byte
+  const ulong size = ulong(1) << Fmt::kBlockLog2;
+  const uint last = (1u << Fmt::kPerByteLog2) - 1u;  // the slot of a byte's last code
   const ulong lo = base + ulong(tid) * 4;
-  if (lo % Fmt::kBlock != 0 || lo >= n) {
+  if ((lo & (size - 1)) != 0 || lo >= n) {
     return;
   }
-  const ulong hi = n - lo < Fmt::kBlock ? n : lo + Fmt::kBlock;
-  const ulong b = lo / Fmt::kBlock;
+  const ulong hi = n - lo < size ? n : lo + size;
+  const ulong b = lo >> Fmt::kBlockLog2;
   const float a1 = absmax1[b];
   const float a2 = absmax2[b];
   float mx1 = 0.0f;
@@ -516,11 +519,11 @@ kernel void fused_step_blockwise(device P* param [[buffer(0)]],
     store_param_lowbit(param + i, p, hp, i);
     byte1 = (byte1 << Fmt::kBits) | Fmt::code1(m * inv1, map1);
     byte2 = (byte2 << Fmt::kBits) | Fmt::code2(v * inv2, map2);
-    const uint slot = uint(i % per);
-    if (slot == per - 1 || i + 1 == hi) {
-      const uint pad = Fmt::kBits * (per - 1 - slot);
-      codes1[i / per] = S(byte1 << pad);
-      codes2[i / per] = S(byte2 << pad);
+    const uint slot = uint(i) & last;
+    if (slot == last || i + 1 == hi) {
+      const uint pad = Fmt::kBits * (last - slot);
+      codes1[i >> Fmt::kPerByteLog2] = S(byte1 << pad);
+      codes2[i >> Fmt::kPerByteLog2] = S(byte2 << pad);
       byte1 = 0;
       byte2 = 0;
     }
