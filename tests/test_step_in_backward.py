@@ -394,11 +394,18 @@ def test_memory_saved_is_the_gradients():
     param) but for one layer's (0.25) and the matmul's work space, measured in fresh processes."""
     plain = _measure("ours-adamw8bit-sr")
     hooked = _measure("ours-adamw8bit-sr-inbwd")
+    recipe = _measure("hooks-adamw8bit-sr")
     saved = plain["bytes_per_param"] - hooked["bytes_per_param"]
-    # 1.24 measured after the 2026-12-02 merges (was above 1.25; cause not yet found: see CHANGELOG).
-    assert 1.2 < saved < 2.1, (plain, hooked)
+    # What backward itself holds at the in-backward peak besides one layer's grad: on a CPU without
+    # bf16 matmul units torch computes a bf16 weight grad through an fp32 buffer (0.5 bytes per
+    # param of one 1024 x 1024 layer over the model's 8), so about 1.25 is saved there and up to
+    # 1.75 elsewhere; the post-warm-up baseline moves by a few MB between processes (about 0.1).
+    assert 1.0 < saved < 2.1, (plain, hooked)
     # Never below what must live: bf16 params (2) and 8-bit moments with their scales (2.03).
     assert hooked["bytes_per_param"] > 4.0, hooked
+    # No more than PyTorch's own recipe (one optimizer per param stepped from hand-written hooks),
+    # compared by peak, which does not depend on the warm-up's baseline.
+    assert hooked["peak_bytes"] <= recipe["peak_bytes"] + 0.1 * hooked["params"], (hooked, recipe)
 
 
 # ---- the MPS path: a single-param step through the emulated Metal tiers --------------------------

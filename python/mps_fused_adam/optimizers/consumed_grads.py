@@ -8,12 +8,15 @@ nothing: torch returns a norm of 0 and the step has already run unclipped. Exact
 clipping needs the norm of every gradient before the first update, which a step taken inside
 backward cannot have. So, as a behaviour stated once:
 
-- each hook records the L2 norm of the gradient it consumed (fp32, before the step);
-  :func:`grad_norm` gives the global norm of the last backward's consumed gradients;
+- each hook records the L2 norm of the gradient it consumed (before the step, as torch's
+  ``clip_grad_norm_`` computes a gradient's norm: in its dtype); :func:`grad_norm` gives the
+  global norm of the last backward's consumed gradients;
 - ``torch.nn.utils.clip_grad_norm_`` (and ``clip_grad_value_``) over parameters whose gradient the
   hooks consumed raises a RuntimeError saying so, except ``max_norm=inf`` with the 2-norm (no
   clipping: what Trainer calls only to log the norm), which returns the true global norm of the
-  step, the consumed gradients' recorded norms together with any gradient still held;
+  step, the consumed gradients' recorded norms together with any gradient still held, combined
+  by torch's own total-norm function in the parameters' order, so that it equals bit for bit what
+  torch returns for the same gradients without ``step_in_backward``;
 - accelerate's gradient accumulation (``Accelerator(gradient_accumulation_steps=N)``, ``Trainer``'s
   ``gradient_accumulation_steps``) is refused from the hook: on a micro-batch that accelerate will
   not step, the hooks would step anyway.
@@ -71,8 +74,42 @@ def before_step(opt: torch.optim.Optimizer, p: torch.Tensor, name: str) -> None:
         rec.in_backward = True
         # Runs when this backward is done: the next hook to fire is then a new backward's.
         torch.autograd.Variable._execution_engine.queue_callback(rec.ended)
-    g = p.grad.detach()
-    rec.norms[id(p)] = (weakref.ref(p), torch.linalg.vector_norm(g, 2.0, dtype=torch.float32))
+    # torch's own per-tensor norm of this gradient (torch.nn.utils.get_total_norm), so the totals
+    # below are the ones torch computes for the same gradients.
+    rec.norms[id(p)] = (weakref.ref(p), _tensor_norm(p.grad.detach()))
+
+
+def _tensor_norm(g: torch.Tensor) -> torch.Tensor:
+    return torch.nn.utils.get_total_norm([g.reshape(-1)], 2.0) if g.numel() else torch.zeros((), dtype=g.dtype,
+                                                                                        device=g.device)
+
+
+def _total_norm(items: list[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]],
+                error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
+    """torch's total 2-norm of a list, in order, of (live gradient, None) and (None, recorded norm of a
+    consumed one): each recorded norm stands in as the one-element tensor holding it, whose norm
+    torch computes as that value exactly (sqrt of an exact square, in fp32 or wider); torch's grouping
+    by device and dtype, its foreach choice and its final reduction are then its own. A norm whose
+    square would overflow fp32 cannot stand in that way: the norms are then reduced in order."""
+    stand_ins = []
+    for live, norm in items:
+        if live is not None:
+            stand_ins.append(live)
+        elif bool(torch.isfinite(norm)) and float(norm) < 1e18:
+            stand_ins.append(norm.reshape(1))
+        else:
+            return _ordered_total(items, error_if_nonfinite, foreach)
+    return torch.nn.utils.get_total_norm(stand_ins, 2.0, error_if_nonfinite, foreach)
+
+
+def _ordered_total(items, error_if_nonfinite, foreach) -> torch.Tensor:
+    norms = [norm if live is None else _tensor_norm(live) for live, norm in items]
+    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), 2.0)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError("The total norm of order 2.0 for gradients from `parameters` is non-finite, so it "
+                           "cannot be clipped. To disable this error and scale the gradients by the non-finite "
+                           "norm anyway, set `error_if_nonfinite=False`")
+    return total
 
 
 def grad_norm(opt: torch.optim.Optimizer) -> Optional[torch.Tensor]:
@@ -83,7 +120,9 @@ def grad_norm(opt: torch.optim.Optimizer) -> Optional[torch.Tensor]:
     rec = opt.__dict__.get(_RECORD)
     if rec is None or not rec.norms:
         return None
-    return torch.linalg.vector_norm(torch.stack([n for _, n in rec.norms.values()]), 2.0)
+    order = [id(p) for group in opt.param_groups for p in group["params"]]
+    items = [(None, rec.norms[k][1]) for k in order if k in rec.norms]
+    return _total_norm(items)
 
 
 def _consumed() -> dict[int, tuple[torch.Tensor, torch.optim.Optimizer]]:
@@ -124,17 +163,11 @@ def _clip_grad_norm(orig, parameters, max_norm, norm_type=2.0, error_if_nonfinit
         return orig(params, max_norm, norm_type, error_if_nonfinite, foreach)
     if not (float(max_norm) == math.inf and float(norm_type) == 2.0):
         raise _refusal(f"clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type})", hit)
-    # No clipping asked: the norm alone, the consumed gradients' recorded norms with the live ones'.
-    norms = [consumed[id(p)][0] for p, _ in hit]
-    live = [p.grad for p in params if p.grad is not None]
-    if live:
-        norms.append(torch.nn.utils.get_total_norm(live, 2.0, error_if_nonfinite, foreach).to(norms[0].device))
-    total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(f"The total norm of order 2.0 for gradients from `parameters` is non-finite, so it "
-                           f"cannot be clipped. To disable this error and scale the gradients by the non-finite "
-                           f"norm anyway, set `error_if_nonfinite=False`")
-    return total
+    # No clipping asked: the norm alone, the consumed gradients' recorded norms and the live ones'
+    # in the parameters' order, as torch would have combined them.
+    items = [(None, consumed[id(p)][0]) if id(p) in consumed else (p.grad, None)
+             for p in params if id(p) in consumed or p.grad is not None]
+    return _total_norm(items, error_if_nonfinite, foreach)
 
 
 def _clip_grad_value(orig, parameters, clip_value, foreach=None):
