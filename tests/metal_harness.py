@@ -9,15 +9,15 @@ the only Apple-only code). The ``.mm`` itself is driven by :func:`run_case` with
 :class:`ExtSubmit`, which hands the same buffers to ``_metal.step`` as (handle, offset, numel).
 
 What the cases cover (:func:`cases`): every kernel the metallib exports (each rule and mode, every
-dtype pair, 8-bit, stochastic rounding), three steps each, sizes with a tail (not a multiple of
-4, and for 8-bit not of the 256-element block), each tensor at a byte offset inside its own
+dtype pair, 8-bit, 4-bit, stochastic rounding), three steps each, sizes with a tail (not a multiple of
+4, and for 8-bit and 4-bit not of the 256- or 128-element block; an odd 4-bit size: a padding nibble), each tensor at a byte offset inside its own
 buffer with guard bytes around it, one tensor split into several dispatches through ``base``,
 real grids (several threadgroups per dispatch, a partial last threadgroup, more threads than one
 threadgroup may hold: ``GRID_LAYOUTS``), and NaN/Inf in gradients and parameters.
 
 How a kernel is judged (:func:`compare`), as the self-check judges a backend: a float tensor lies
 within the contract's GPU bound ``8 * eps(dtype) * max|ref|`` (DESIGN.md section 2) and has NaN
-and infinities exactly where the reference has them; a code tensor (8-bit states) is identical;
+and infinities exactly where the reference has them; a code tensor (8-bit and 4-bit states) is identical;
 no byte outside a tensor changes. Reported per kernel: the share of bit-identical elements (a NaN
 where the reference has NaN counts as identical: its sign and payload are not in the contract)
 and the worst error in ulps of the stored dtype.
@@ -33,17 +33,18 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 import torch
 
 # The package pieces the harness rests on, imported in one place.
-from mps_fused_adam.numerics import lowbit
+from mps_fused_adam.numerics import lowbit, lowbit4
 from mps_fused_adam.numerics.contract import AdamHyper, example
 from mps_fused_adam.backends.mps import KERNELS, METAL_RULES, dispatch_plan, pack_params
 from mps_fused_adam.numerics.reference import reference_step_
-from mps_fused_adam.numerics.reference_lowbit import reference_adam8bit_, reference_adam_sr_
+from mps_fused_adam.numerics.reference_lowbit import reference_adam4bit_, reference_adam8bit_, reference_adam_sr_
 
 BOUND = 8.0  # the contract's GPU bound, in units of eps(dtype) * max|ref|
 GUARD = 64  # bytes of canary before and after every tensor
 CANARY = 0xA5
 STEPS = 3
 REQUIRE_ENV = "MFA_REQUIRE_METAL"
+LOWBIT = {"adam8bit": lowbit.BLOCK, "adam4bit": lowbit4.BLOCK4}  # block-wise rules: elements per block
 _SHORT = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat", torch.uint8: "uchar"}
 
 
@@ -92,7 +93,7 @@ class Device(Protocol):
 @dataclass(frozen=True)
 class Case:
     kernel: str
-    rule: str  # adam, lion, adagrad, adam_sr, adam8bit
+    rule: str  # adam, lion, adagrad, adam_sr, adam8bit, adam4bit
     pdtype: torch.dtype
     sdtype: torch.dtype
     n: int
@@ -122,7 +123,7 @@ def _offsets(count: int, seed: int) -> tuple[int, ...]:
 # Real grids, for every kernel: GRID_N elements are 1,501 threads, past the 1,024 threads one
 # threadgroup may hold on any Apple GPU. (chunk threads per dispatch, threadgroup width): one
 # dispatch of six threadgroups of 256, the last of 221; two dispatches (1,024 and 477 threads:
-# 8-bit dispatches start on a block) of threadgroups of 96, each ending in a partial one; one
+# 8-bit and 4-bit dispatches start on a block) of threadgroups of 96, each ending in a partial one; one
 # dispatch of threadgroups of 1,024, the limit itself, then 477.
 GRID_N = 6003
 GRID_LAYOUTS = ((1 << 30, 256), (1024, 96), (1 << 30, 1024))
@@ -161,11 +162,14 @@ def cases() -> list[Case]:
                 # 8-bit dispatches must start on a block: chunks of 64 threads (256 elements).
                 for n, chunk in ((5, 64), (257, 64), (1000, 64)):
                     add("adam8bit", pd, torch.uint8, n, dict(mode, sr=sr), chunk)
+                # 4-bit: blocks of 128 (chunks of 32 threads); odd sizes end in a padding nibble.
+                for n, chunk in ((5, 32), (129, 32), (1001, 64)):
+                    add("adam4bit", pd, torch.uint8, n, dict(mode, sr=sr), chunk)
     # The grids, for every kernel the cases above run (a rule they do not know has no inputs here).
     for rule, pd, sd in dict.fromkeys((c.rule, c.pdtype, c.sdtype) for c in list(out)):
         if rule in ("lion", "adagrad"):
             mode = dict(maximize=False, weight_decay=0.1)
-        elif rule == "adam8bit":
+        elif rule in LOWBIT:
             mode = dict(ADAM_MODES[0], sr=pd is torch.bfloat16)
         else:
             mode = ADAM_MODES[0]
@@ -184,7 +188,7 @@ def hyper(case: Case, step: int):
     key = lowbit.sr_key(0x0123456789ABCDEF + case.seed, step) if sr else None
     if case.rule == "adam_sr":
         return lowbit.AdamSRHyper(adam, key)
-    if case.rule == "adam8bit":
+    if case.rule in LOWBIT:
         return lowbit.Adam8bitTensorHyper(adam, key)
     return adam
 
@@ -202,6 +206,13 @@ def initial(case: Case) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         a1 = 0.1 * torch.rand(blocks, generator=gen) + 0.01
         a2 = 0.01 * torch.rand(blocks, generator=gen) + 1e-4
         states = [c1, c2, a1, a2, lowbit.kernel_table(True), lowbit.kernel_table(False)]
+    elif case.rule == "adam4bit":
+        blocks = lowbit4.num_blocks4(n)
+        c1 = lowbit4.pack_codes4(torch.randint(0, 16, (n,), generator=gen, dtype=torch.uint8))
+        c2 = lowbit4.pack_codes4(torch.randint(0, 16, (n,), generator=gen, dtype=torch.uint8))
+        a1 = 0.1 * torch.rand(blocks, generator=gen) + 0.01
+        a2 = 0.01 * torch.rand(blocks, generator=gen) + 1e-4
+        states = [c1, c2, a1, a2, lowbit4.kernel_table4(True), lowbit4.kernel_table4(False)]
     else:
         spec = METAL_RULES[case.rule]
         nonneg = example("adam" if case.rule == "adam_sr" else case.rule).nonnegative
@@ -209,9 +220,10 @@ def initial(case: Case) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
                   .to(case.sdtype) for name in spec.states]
     if case.specials:
         g = grads[0]
-        if case.rule == "adam8bit":
+        if case.rule in LOWBIT:
             # A NaN poisons its whole block (the block scale is a max): keep them in the last block.
-            last = (lowbit.num_blocks(n) - 1) * lowbit.BLOCK
+            block = LOWBIT[case.rule]
+            last = (-(-n // block) - 1) * block
             p[n - 1], g[last] = float("inf"), float("nan")
         else:
             p[3], p[min(9, n - 1)] = float("nan"), float("inf")
@@ -223,9 +235,10 @@ def reference(case: Case, start: list[torch.Tensor], grads: list[torch.Tensor]) 
     out = [t.clone() for t in start]
     for step, g in enumerate(grads, start=1):
         hp = hyper(case, step)
-        if case.rule == "adam8bit":
+        if case.rule in LOWBIT:
             p, c1, c2, a1, a2 = out[:5]
-            reference_adam8bit_(p, g, c1, a1, c2, a2, hp.adam, hp.sr_key)
+            ref = reference_adam8bit_ if case.rule == "adam8bit" else reference_adam4bit_
+            ref(p, g, c1, a1, c2, a2, hp.adam, hp.sr_key)
         elif case.rule == "adam_sr":
             reference_adam_sr_(out[0], g, out[1], out[2], hp.adam, hp.sr_key)
         else:
@@ -366,7 +379,7 @@ def compare(name: str, ours: torch.Tensor, ref: torch.Tensor, stats: TensorStats
 
 
 def output_names(case: Case) -> list[str]:
-    return ["param", *METAL_RULES[case.rule].states[:4 if case.rule == "adam8bit" else None]]
+    return ["param", *METAL_RULES[case.rule].states[:4 if case.rule in LOWBIT else None]]
 
 
 @dataclass
@@ -489,7 +502,7 @@ def element_sizes(kernel: str) -> list[int]:
     """Element size of each buffer index of ``kernel`` (what its offset must be a multiple of)."""
     rule, pd, sd = next(key for key, name in KERNELS.items() if name == kernel)
     psize = torch.empty(0, dtype=pd).element_size()
-    if rule == "adam8bit":
+    if rule in LOWBIT:
         return [psize, psize, 1, 1, 4, 4, 4, 4]
     return [psize, psize] + [torch.empty(0, dtype=sd).element_size()] * len(METAL_RULES[rule].states)
 

@@ -54,8 +54,9 @@ def test_cases_cover_every_kernel_and_layout():
         assert any(len(mh.dispatch_plan(c.n, c.chunk_threads)) > 1 for c in cs), f"{k}: never several dispatches"
         assert any(c.specials for c in cs), f"{k}: no NaN/Inf case"
     for c in cases:
-        if c.rule == "adam8bit":  # a dispatch must start on a 256-element block
-            assert (4 * c.chunk_threads) % 256 == 0
+        if c.rule in mh.LOWBIT:  # a dispatch must start on a block (256 or 128 elements)
+            assert (4 * c.chunk_threads) % mh.LOWBIT[c.rule] == 0
+    assert any(c.rule == "adam4bit" and c.n % 2 and c.n > 128 for c in cases)  # a padding nibble, blocks
     adam_modes = {c.mode for c in cases if c.rule == "adam" and c.kernel == "fused_adam_float_float"}
     assert len(adam_modes) == 8  # adamw/l2 x bias correction x maximize
 
@@ -85,7 +86,8 @@ def test_the_emulator_and_fake_metal_ran_those_grids(emu, fake_driver):
     by threadgroup, leaving out the threads past the grid) and the pyobjc driver over fake Metal
     record each dispatch's threads and threadgroup width; the results are bit-identical."""
     grid = [c for c in mh.cases() if c.n == mh.GRID_N and c.kernel in ("fused_adam_half_float",
-                                                                     "fused_adam8bit_bfloat_uchar")]
+                                                                     "fused_adam8bit_bfloat_uchar",
+                                                                     "fused_adam4bit_half_uchar")]
     want = sorted((c.kernel, *s) for c in grid for s in grid_shapes(c) for _ in range(mh.STEPS))
     driver, lib = fake_driver
     for dev in (mh.EmulatorDevice(emu), driver.MetalDevice(str(lib))):
@@ -96,7 +98,8 @@ def test_the_emulator_and_fake_metal_ran_those_grids(emu, fake_driver):
         ran = sorted((d["name"], d["threads"], d["group"]) for d in emu.dispatches[before:])
         assert ran == want, dev.name
     assert (("fused_adam_half_float", 1501, 256) in want and ("fused_adam_half_float", 477, 96) in want
-            and ("fused_adam8bit_bfloat_uchar", 1501, 1024) in want)
+            and ("fused_adam8bit_bfloat_uchar", 1501, 1024) in want
+            and ("fused_adam4bit_half_uchar", 477, 96) in want)
 
 
 def one_per_kernel() -> list[mh.Case]:
@@ -147,10 +150,11 @@ class Doctored(mh.EmulatorDevice):
 ONE = [c for c in mh.cases() if c.kernel == "fused_adam_float_float" and c.n == 67][:2]
 
 
-@pytest.mark.parametrize("what", ["one_ulp", "large", "nan", "outside", "code"])
+@pytest.mark.parametrize("what", ["one_ulp", "large", "nan", "outside", "code", "code4"])
 def test_the_harness_judges_a_wrong_device(emu, what):
     """A last-bit difference is reported (identity below 100%) but passes the bound; a large
-    error, a NaN the reference lacks, a write outside the tensor or a changed 8-bit code fail."""
+    error, a NaN the reference lacks, a write outside the tensor or a changed 8-bit or 4-bit code
+    (one nibble) fail."""
     def spoil(kernel, d):
         buf, off = d.bindings[0]
         p = buf.host[off:off + 16].view(torch.float32)
@@ -162,10 +166,11 @@ def test_the_harness_judges_a_wrong_device(emu, what):
             p[2] = float("nan")
         elif what == "outside":
             buf.host[off - 1] = 0
-        elif what == "code" and kernel.startswith("fused_adam8bit"):
+        elif what.startswith("code") and kernel.startswith(("fused_adam8bit", "fused_adam4bit")):
             c1, c1_off = d.bindings[2]
             c1.host[c1_off] ^= 1
-    selected = ONE if what != "code" else [c for c in mh.cases() if c.kernel == "fused_adam8bit_float_uchar"][:1]
+    codes_of = {"code": "fused_adam8bit_float_uchar", "code4": "fused_adam4bit_float_uchar"}
+    selected = ONE if what not in codes_of else [c for c in mh.cases() if c.kernel == codes_of[what]][:1]
     reports = mh.run_all(Doctored(emu, spoil), selected=selected, kernels={selected[0].kernel})
     rep = reports[selected[0].kernel]
     assert rep.stats.identical < rep.stats.elements or rep.stats.problems
