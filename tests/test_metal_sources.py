@@ -139,6 +139,7 @@ def test_benchmark_section_runs_through_emulated_tiers(tmp_path):
         if rule != "lion":
             assert any(r["implementation"].startswith("torch ") for r in case), (rule, pdtype)
     assert bench_mps.bytes_moved("adam8bit", torch.float32, torch.uint8) == 12 + 4 + 4 * 4 / 256
+    assert bench_mps.bytes_moved("adam4bit", torch.bfloat16, torch.uint8) == 6 + 2 + 4 * 4 / 128
     assert bench_mps.bytes_moved("lion", torch.float32, torch.float32) == 20
     assert bench_mps.bytes_per_elem(torch.float32, torch.float32) == 28
     assert bench_mps.bytes_per_elem(torch.bfloat16, torch.float32) == 22

@@ -1,7 +1,7 @@
 """The benchmark's MPS section: each of our Metal tiers against torch's own optimizers on MPS,
 with the chip's copy bandwidth measured in the same run as the yardstick. Adam in every dtype
 pair and tensor count, then the other rules on one flat tensor: Lion and Adagrad (fp32), Adam
-with bf16 stochastic rounding, and 8-bit Adam (fp32 and bf16 params).
+with bf16 stochastic rounding, 8-bit and 4-bit Adam (fp32 and bf16 params).
 
 Called by ``bench.py``; prints "no MPS device" where there is none (every Linux machine).
 Contenders run interleaved (one repetition of each in turn), so drifts of clock and temperature
@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from ..numerics import lowbit
+from ..numerics import lowbit, lowbit4
 from ..numerics.contract import RULES, AdamHyper, example
 from .timing import bytes_per_elem, interleaved
 
@@ -21,7 +21,8 @@ from .timing import bytes_per_elem, interleaved
 # then the low-bit variants. Bytes per element: bytes_moved().
 RULE_CASES = ([(name, torch.float32, torch.float32) for name in RULES if name != "adam"]
               + [("adam_sr", torch.bfloat16, torch.float32), ("adam8bit", torch.float32, torch.uint8),
-                 ("adam8bit", torch.bfloat16, torch.uint8)])
+                 ("adam8bit", torch.bfloat16, torch.uint8), ("adam4bit", torch.float32, torch.uint8),
+                 ("adam4bit", torch.bfloat16, torch.uint8)])
 
 
 def bench_hyper(rule: str, step: int):
@@ -34,9 +35,12 @@ def _state_count(rule: str) -> int:
     return len(RULES[rule].states) if rule in RULES else len(lowbit.ADAM_SR.states)
 
 def bytes_moved(rule: str, pdtype: torch.dtype, sdtype: torch.dtype) -> float:
-    """Bytes one step of ``rule`` moves per element (reads and writes; 8-bit: codes and scales)."""
+    """Bytes one step of ``rule`` moves per element (reads and writes; 8-bit and 4-bit: codes and
+    scales, the map tables left out)."""
     if rule == "adam8bit":
         return 3 * pdtype.itemsize + 2 * 2 * (1 + 4 / lowbit.BLOCK)
+    if rule == "adam4bit":
+        return 3 * pdtype.itemsize + 2 * 2 * (0.5 + 4 / lowbit4.BLOCK4)
     return bytes_per_elem(pdtype, sdtype, _state_count(rule))
 
 
@@ -56,6 +60,11 @@ def _rule_contenders(rule: str, tensors: list[torch.Tensor], pdtype, sdtype,
                   [torch.zeros(lowbit.num_blocks(n), device=tensors[0].device)],
                   [torch.zeros(lowbit.num_blocks(n), device=tensors[0].device)],
                   [lowbit.kernel_table(True, tensors[0].device)], [lowbit.kernel_table(False, tensors[0].device)]]
+    elif rule == "adam4bit":
+        n, dev = tensors[0].numel(), tensors[0].device
+        states = [[lowbit4.fresh_codes4(n, True, dev)], [lowbit4.fresh_codes4(n, False, dev)],
+                  [torch.zeros(lowbit4.num_blocks4(n), device=dev)], [torch.zeros(lowbit4.num_blocks4(n), device=dev)],
+                  [lowbit4.kernel_table4(True, dev)], [lowbit4.kernel_table4(False, dev)]]
     else:
         states = [[torch.zeros_like(t, dtype=sdtype) for t in tensors] for _ in range(_state_count(rule))]
 
@@ -74,7 +83,7 @@ def _rule_contenders(rule: str, tensors: list[torch.Tensor], pdtype, sdtype,
     for label, factory in tiers:
         try:
             backend = factory()
-            # The kernel itself, with its own arguments (Metal's 8-bit buffer order, adam_sr's key).
+            # The kernel itself, with its own arguments (Metal's 8-bit/4-bit buffer order, adam_sr's key).
             out[f"ours {rule} ({label})"] = (lambda b: lambda: b.run_kernel(rule, raw, grads, states,
                                                                              hyper()))(backend)
         except Exception as exc:
@@ -87,7 +96,7 @@ def _rule_contenders(rule: str, tensors: list[torch.Tensor], pdtype, sdtype,
             out["lion_pytorch Lion"] = lion_pytorch.Lion(params, lr=1e-4, weight_decay=0.01).step
         except ImportError:
             notes.append("lion_pytorch: not installed")
-    else:  # Adam with bf16 params, or 8-bit: torch's fused AdamW in the param dtype is the yardstick
+    else:  # Adam with bf16 params, or 8-bit/4-bit: torch's fused AdamW in the param dtype is the yardstick
         out["torch AdamW(fused=True)"] = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True).step
     return out, notes
 

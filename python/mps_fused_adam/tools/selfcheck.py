@@ -209,11 +209,12 @@ def check_many(backend: Any, device: str, label: str) -> CheckResult:
 def _lowbit_cases(n: int) -> tuple:
     """The low-bit checks' inputs and reference results, made once for every backend checked:
     per 8-bit param dtype (start param, start state, grads per step, sr keys, reference param and
-    state), then per stochastic-rounding state dtype (start tensors, grads, keys, references)."""
-    from ..numerics import lowbit
-    from ..numerics.reference_lowbit import reference_adam8bit_, reference_adam_sr_
+    state), then per stochastic-rounding state dtype (start tensors, grads, keys, references), then
+    per 4-bit param dtype as for 8-bit (fresh states: codes of 0.0, zero scales)."""
+    from ..numerics import lowbit, lowbit4
+    from ..numerics.reference_lowbit import reference_adam4bit_, reference_adam8bit_, reference_adam_sr_
     gen = torch.Generator().manual_seed(1)
-    q8, sr = [], []
+    q8, sr, q4 = [], [], []
     for pd in (torch.float32, torch.float16, torch.bfloat16):
         p = (torch.randn(n, generator=gen) * PARAM_SCALE).to(pd)
         st = {"exp_avg_codes": torch.full((n,), lowbit.SIGNED_ZERO_CODE, dtype=torch.uint8),
@@ -235,27 +236,43 @@ def _lowbit_cases(n: int) -> tuple:
         for step, g, key in zip((1, 2, 3), grads, keys):
             reference_adam_sr_(ref[0], g, ref[1], ref[2], _hypers("adam", step, step != 2), key)
         sr.append((base, grads, keys, ref))
-    return q8, sr
+    for pd in (torch.float32, torch.float16, torch.bfloat16):
+        p = (torch.randn(n, generator=gen) * PARAM_SCALE).to(pd)
+        st = {"exp_avg_codes": lowbit4.fresh_codes4(n, True), "exp_avg_absmax": torch.zeros(lowbit4.num_blocks4(n)),
+              "exp_avg_sq_codes": lowbit4.fresh_codes4(n, False),
+              "exp_avg_sq_absmax": torch.zeros(lowbit4.num_blocks4(n))}
+        grads = [(torch.randn(n, generator=gen) * 0.1).to(pd) for _ in range(3)]
+        keys = [lowbit.sr_key(7, step) if pd is torch.bfloat16 else None for step in (1, 2, 3)]
+        ref = [p.clone()] + [t.clone() for t in st.values()]
+        for step, g, key in zip((1, 2, 3), grads, keys):
+            reference_adam4bit_(ref[0], g, *ref[1:], _hypers("adam", step, True), key)
+        q4.append((p, st, grads, keys, ref))
+    return q8, sr, q4
 
 
 def check_lowbit(adam8bit: Callable[..., None], adam_sr: Callable[..., None], device: str, label: str,
-                 n: int = 4099) -> Iterator[CheckResult]:
-    """The low-bit rules (lowbit.py) against their references, three steps each: 8-bit Adam for
-    each param dtype (``adam8bit(p, g, state, hyper, sr_key)``), and Adam with bf16 stochastic
-    rounding for both state dtypes (``adam_sr(p, g, m, v, hyper, sr_key)``). Codes must match
+                 n: int = 4099, adam4bit: Optional[Callable[..., None]] = None) -> Iterator[CheckResult]:
+    """The low-bit rules (lowbit.py, lowbit4.py) against their references, three steps each: 8-bit
+    Adam for each param dtype (``adam8bit(p, g, state, hyper, sr_key)``), Adam with bf16 stochastic
+    rounding for both state dtypes (``adam_sr(p, g, m, v, hyper, sr_key)``), then, when given,
+    4-bit Adam for each param dtype (``adam4bit``, called as ``adam8bit``). Codes must match
     exactly; params and moments as in :func:`check_backend`."""
-    q8, sr = _lowbit_cases(n)
-    for p, st, grads, keys, ref in q8:
-        dtypes = f"adam8bit {str(p.dtype)[6:]}/uint8"
-        try:
-            ours_p, ours_st = p.clone().to(device), {k: t.clone().to(device) for k, t in st.items()}
-            for step, g, key in zip((1, 2, 3), grads, keys):
-                adam8bit(ours_p, g.to(device), ours_st, _hypers("adam", step, True), key)
-            worst, of_update, exact = _compare([ours_p, *ours_st.values()], ref, [p, *st.values()])
-        except Exception as exc:
-            yield _raised(label, device, dtypes, exc)
-            continue
-        yield CheckResult(label, device, dtypes, worst, exact, device == "cpu", of_update)
+    q8, sr, q4 = _lowbit_cases(n)
+
+    def blockwise(rule: str, step_fn: Callable[..., None], cases: list) -> Iterator[CheckResult]:
+        for p, st, grads, keys, ref in cases:
+            dtypes = f"{rule} {str(p.dtype)[6:]}/uint8"
+            try:
+                ours_p, ours_st = p.clone().to(device), {k: t.clone().to(device) for k, t in st.items()}
+                for step, g, key in zip((1, 2, 3), grads, keys):
+                    step_fn(ours_p, g.to(device), ours_st, _hypers("adam", step, True), key)
+                worst, of_update, exact = _compare([ours_p, *ours_st.values()], ref, [p, *st.values()])
+            except Exception as exc:
+                yield _raised(label, device, dtypes, exc)
+                continue
+            yield CheckResult(label, device, dtypes, worst, exact, device == "cpu", of_update)
+
+    yield from blockwise("adam8bit", adam8bit, q8)
     for base, grads, keys, ref in sr:
         dtypes = f"adam-sr bfloat16/{str(base[1].dtype)[6:]}"
         try:
@@ -267,17 +284,34 @@ def check_lowbit(adam8bit: Callable[..., None], adam_sr: Callable[..., None], de
             yield _raised(label, device, dtypes, exc)
             continue
         yield CheckResult(label, device, dtypes, worst, exact, device == "cpu", of_update)
+    if adam4bit is not None:
+        yield from blockwise("adam4bit", adam4bit, q4)
+
+
+# The order of a block-wise rule's state lists in a backend call (backends.Backend.update), as
+# the check's state dicts name them.
+_BLOCKWISE_ORDER = ("exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_codes", "exp_avg_sq_absmax")
+
+
+def _blockwise(backend: Any, rule: str) -> Callable[..., None]:
+    """A backend's block-wise rule ``rule`` (``adam8bit``, ``adam4bit``), one tensor a call."""
+    def step(p, g, st, hp, key):
+        backend.update(rule, [p], [g], [[st[k]] for k in _BLOCKWISE_ORDER], hp, sr_keys=None if key is None else [key])
+    return step
 
 
 def _lowbit(backend: Any) -> tuple[Callable[..., None], Callable[..., None]]:
     """A backend's 8-bit rule and its stochastic-rounding mode of Adam, one tensor a call."""
-    from ..optimizers.state_formats import Blockwise8bit
-
-    def adam8bit(p, g, st, hp, key):
-        backend.update("adam8bit", [p], [g], [[st[k]] for k in Blockwise8bit.names], hp,
-                       sr_keys=None if key is None else [key])
-    return (adam8bit,
+    return (_blockwise(backend, "adam8bit"),
             lambda p, g, m, v, hp, key: backend.update("adam_sr", [p], [g], [[m], [v]], hp, sr_keys=[key]))
+
+
+def _lowbit4(backend: Any) -> Optional[Callable[..., None]]:
+    """The CPU backend's 4-bit rule, one tensor a call; None where it does not run it (a ``_cpu``
+    built without the 4-bit kernel). (The MPS tiers' refusals are on their tier lines instead.)"""
+    from ..backends.kernel import Kernel
+    return _blockwise(backend, "adam4bit") if backend.unavailable(Kernel("adam4bit", torch.float32, torch.uint8)) \
+        is None else None
 
 
 def all_checks() -> Iterator[CheckResult]:
@@ -289,7 +323,7 @@ def all_checks() -> Iterator[CheckResult]:
             for path in _cpu.simd_paths():
                 _cpu.set_simd_path(path)
                 yield from check_backend(cpu, "cpu", f"_cpu ({path})")
-                yield from check_lowbit(*_lowbit(cpu), "cpu", f"_cpu ({path})")
+                yield from check_lowbit(*_lowbit(cpu), "cpu", f"_cpu ({path})", adam4bit=_lowbit4(cpu))
                 yield check_many(cpu, "cpu", f"_cpu ({path})")
                 yield check_agreement(cpu, "cpu", f"_cpu ({path})")
         finally:
@@ -303,7 +337,8 @@ def all_checks() -> Iterator[CheckResult]:
                 continue
             backend, label, runs = tier.backend, tier.label, tier.runs
             yield from filter(runs, check_backend(backend, "mps", label))
-            yield from filter(runs, check_lowbit(*_lowbit(backend), "mps", label))
+            yield from filter(runs, check_lowbit(*_lowbit(backend), "mps", label,
+                                                  adam4bit=_blockwise(backend, "adam4bit")))
             yield from filter(runs, [check_many(backend, "mps", label)])
             yield check_agreement(backend, "mps", label)
         yield from check_backend(ForeachBackend(), "mps", "foreach")
