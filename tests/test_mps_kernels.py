@@ -52,24 +52,30 @@ def train(backend, monkeypatch, params, steps=3, cls=mfa.AdamW, **kw):
     return opt
 
 
-def train_8bit(backend, params, steps=3, sr=False):
+def train_8bit(backend, params, steps=3, sr=False, rule="adam8bit"):
     """``steps`` 8-bit AdamW steps of each param straight through ``backend.update`` (rule
     ``adam8bit``: codes and block scales of both moments; ``sr_keys`` for bf16 stochastic
-    rounding), from zero states; returns the states."""
-    from mps_fused_adam.numerics import lowbit
+    rounding), from zero states; returns the states. ``rule="adam4bit"``: the same with 4-bit
+    states (codes packed two a byte, blocks of 128)."""
+    from mps_fused_adam.numerics import lowbit, lowbit4
     from mps_fused_adam.numerics.contract import AdamHyper
     gen = torch.Generator().manual_seed(4)
     states = []
     for p in params:
-        n, nb = p.numel(), lowbit.num_blocks(p.numel())
-        states.append([torch.full((n,), lowbit.SIGNED_ZERO_CODE, dtype=torch.uint8), torch.zeros(nb),
-                       torch.full((n,), lowbit.UNSIGNED_ZERO_CODE, dtype=torch.uint8), torch.zeros(nb)])
+        n = p.numel()
+        if rule == "adam8bit":
+            nb = lowbit.num_blocks(n)
+            codes = [torch.full((n,), lowbit.SIGNED_ZERO_CODE, dtype=torch.uint8),
+                     torch.full((n,), lowbit.UNSIGNED_ZERO_CODE, dtype=torch.uint8)]
+        else:
+            nb, codes = lowbit4.num_blocks4(n), [lowbit4.fresh_codes4(n, True), lowbit4.fresh_codes4(n, False)]
+        states.append([codes[0], torch.zeros(nb), codes[1], torch.zeros(nb)])
     for step in range(1, steps + 1):
         hp = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.1, step)
         for i, (p, st) in enumerate(zip(params, states)):
             keys = [lowbit.sr_key(1000 + i, step)] if sr and p.dtype is BF16 else None
             g = torch.randn(p.shape, generator=gen).to(p.dtype)
-            backend.update("adam8bit", [p.data.view(-1)], [g.view(-1)], [[t] for t in st], hp, sr_keys=keys)
+            backend.update(rule, [p.data.view(-1)], [g.view(-1)], [[t] for t in st], hp, sr_keys=keys)
     return states
 
 
@@ -173,8 +179,9 @@ class Sabotaged(FakeMetalExt):
 @pytest.mark.parametrize("how,reason", [("raise", "failed: RuntimeError('stand-in: the command buffer failed"),
                                         ("wrong", "away from the reference (the contract's bound"),
                                         ("nan", "NaN at")])
-@pytest.mark.parametrize("target", [Kernel("adam", BF16, BF16), Kernel("adam8bit", F32, torch.uint8)],
-                         ids=["adam-bf16", "adam8bit-fp32"])
+@pytest.mark.parametrize("target", [Kernel("adam", BF16, BF16), Kernel("adam8bit", F32, torch.uint8),
+                                    Kernel("adam4bit", F32, torch.uint8)],
+                         ids=["adam-bf16", "adam8bit-fp32", "adam4bit-fp32"])
 def test_kernel_failing_its_probe_is_refused_before_any_param_moves(emu, pkg, monkeypatch, how, reason, target):
     """A kernel that raises, computes wrong values or NaN on tier 1 is refused by its probe
     before its first real dispatch: no real tensor is ever handed to it, and its tensors get
@@ -186,9 +193,9 @@ def test_kernel_failing_its_probe_is_refused_before_any_param_moves(emu, pkg, mo
     start = [torch.nn.Parameter(torch.randn(s, generator=gen).to(d))
              for s, d in (((64, 80), target.param_dtype), ((300,), F32), ((301,), BF16))]
     params = fresh(start)
-    eight = target.rule == "adam8bit"
+    eight = target.rule in ("adam8bit", "adam4bit")  # the block-wise rules, stepped directly
     if eight:
-        got = train_8bit(chain, params)
+        got = train_8bit(chain, params, rule=target.rule)
     else:
         train(chain, monkeypatch, params)
     assert chain.tier_of(target) == "load_metallib"
@@ -204,8 +211,10 @@ def test_kernel_failing_its_probe_is_refused_before_any_param_moves(emu, pkg, mo
     # The result is the next tier's: tier 2 alone, from the same start.
     other, ref = fresh(start), fresh(start)
     if eight:
-        assert all(same_training(a, b) for a, b in zip(got, train_8bit(make_backend(2, pkg, emu), other)))
-        assert all(same_training(a, b) for a, b in zip(got, train_8bit(backends.ForeachBackend(), ref)))
+        assert all(same_training(a, b) for a, b in zip(got, train_8bit(make_backend(2, pkg, emu), other,
+                                                                        rule=target.rule)))
+        assert all(same_training(a, b) for a, b in zip(got, train_8bit(backends.ForeachBackend(), ref,
+                                                                        rule=target.rule)))
     else:
         train(make_backend(2, pkg, emu), monkeypatch, other)
         train(backends.ForeachBackend(), monkeypatch, ref)
@@ -267,7 +276,7 @@ def test_library_without_bfloat_kernels_serves_the_rest(emu, pkg, monkeypatch):
     assert chain.name == "compile_shader"
     refused = chain.tiers_info()[2]["kernels_unavailable"]
     missing = sorted([f"{rule} bfloat16/{s}" for rule in [*RULES, "adam_sr"] for s in ("bfloat16", "float32")]
-                     + ["adam8bit bfloat16/uint8"])
+                     + ["adam8bit bfloat16/uint8", "adam4bit bfloat16/uint8"])
     assert sorted(refused) == missing
     assert refused["adam bfloat16/float32"] == "the library lacks kernel fused_adam_bfloat_float"
     start = params_of_each_dtype()
@@ -287,21 +296,24 @@ def test_every_kernel_passes_its_probe_on_every_emulated_tier(emu, pkg):
         assert backend.kernels_unavailable() == {}
 
 
-def test_lowbit_through_the_chain_matches_the_references(emu, pkg):
-    """8-bit Adam with bf16 stochastic rounding through the chain on a device without bfloat:
-    the fp32 8-bit kernel on tier 1, the bf16 one on tier 2; results those of the plain tier 2
+@pytest.mark.parametrize("rule", ["adam8bit", "adam4bit"])
+def test_lowbit_through_the_chain_matches_the_references(emu, pkg, rule):
+    """8-bit and 4-bit Adam with bf16 stochastic rounding through the chain on a device without
+    bfloat: the fp32 kernel on tier 1, the bf16 one on tier 2; results those of the plain tier 2
     and of the references (the foreach tier)."""
     chain = make_chain(pkg, emu, ext=FakeMetalExt(emu, bfloat=False))
     gen = torch.Generator().manual_seed(9)
     start = [torch.nn.Parameter(torch.randn(s, generator=gen).to(d))
              for s, d in (((64, 80), BF16), ((4097,), F32), ((7,), BF16))]
     params, other, ref = fresh(start), fresh(start), fresh(start)
-    got = train_8bit(chain, params, sr=True)
-    assert all(same_training(a, b) for a, b in zip(got, train_8bit(make_backend(2, pkg, emu), other, sr=True)))
-    assert all(same_training(a, b) for a, b in zip(got, train_8bit(backends.ForeachBackend(), ref, sr=True)))
+    got = train_8bit(chain, params, sr=True, rule=rule)
+    assert all(same_training(a, b) for a, b in zip(got, train_8bit(make_backend(2, pkg, emu), other, sr=True,
+                                                                    rule=rule)))
+    assert all(same_training(a, b) for a, b in zip(got, train_8bit(backends.ForeachBackend(), ref, sr=True,
+                                                                    rule=rule)))
     assert same_training(params, other) and same_training(params, ref)
-    assert chain.tier_of(Kernel("adam8bit", F32, torch.uint8)) == "metal"
-    assert chain.tier_of(Kernel("adam8bit", BF16, torch.uint8)) == "load_metallib"
+    assert chain.tier_of(Kernel(rule, F32, torch.uint8)) == "metal"
+    assert chain.tier_of(Kernel(rule, BF16, torch.uint8)) == "load_metallib"
 
 
 def test_selfcheck_prints_every_tier_with_its_state(emu, pkg):
