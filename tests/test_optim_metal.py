@@ -179,3 +179,49 @@ def test_selfcheck_of_lowbit_rules_on_each_tier(metal_backend):
                                            "adam-sr bfloat16/float32", "adam-sr bfloat16/bfloat16",
                                            "adam4bit float32/uint8", "adam4bit float16/uint8", "adam4bit bfloat16/uint8"]
     assert all(r.passed and r.bit_exact for r in results), results
+
+
+@pytest.mark.parametrize("sr", [False, True], ids=["rne", "sr"])
+def test_adamw4bit_through_metal_tier_matches_reference(metal_backend, emu, sr):
+    """AdamW4bit on a Metal tier: fused_adam4bit_*_uchar per 4-bit tensor (one dispatch each; odd
+    sizes, a non-contiguous param), the Adam kernels for a tensor under min_4bit_size; bit for bit
+    the references."""
+    from mps_fused_adam.numerics import lowbit, lowbit4
+    from mps_fused_adam.numerics.reference_lowbit import reference_adam4bit_, reference_adam_sr_
+    gen = torch.Generator().manual_seed(10)
+    shapes = (((63, 81), torch.bfloat16), ((4097,), torch.float32), ((301,), torch.float16), ((7,), torch.bfloat16))
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(d)) for s, d in shapes]
+    params.append(torch.nn.Parameter(torch.randn(90, 51, generator=gen).bfloat16().t()))  # non-contiguous
+    opt = mfa.AdamW4bit(params, lr=1e-2, weight_decay=0.1, min_4bit_size=256, bf16_stochastic_round=sr)
+    names4 = ("exp_avg_codes4", "exp_avg_absmax4", "exp_avg_sq_codes4", "exp_avg_sq_absmax4")
+    before = len(emu.dispatches)
+    refs = [[p.detach().clone()] for p in params]
+    for p, r in zip(params, refs):  # the states a first step starts from
+        n = p.numel()
+        if n >= 256:
+            nb = lowbit4.num_blocks4(n)
+            r += [lowbit4.fresh_codes4(n, True), torch.zeros(nb), lowbit4.fresh_codes4(n, False), torch.zeros(nb)]
+        else:
+            r += [torch.zeros(p.shape), torch.zeros(p.shape)]
+    for step in (1, 2, 3):
+        grads = [torch.randn(p.shape, generator=gen).to(p.dtype) for p in params]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        hp = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.1, step, adam_w_mode=True)
+        for p, g, r in zip(params, grads, refs):
+            key = lowbit.sr_key(opt.state[p]["sr_seed"], step) if sr and p.dtype is torch.bfloat16 else None
+            if len(r) == 5:
+                reference_adam4bit_(r[0], g, *r[1:], hp, key)
+            else:
+                reference_adam_sr_(r[0], g, r[1], r[2], hp, key)
+    for p, r in zip(params, refs):
+        st = opt.state[p]
+        assert torch.equal(p.detach().contiguous().view(torch.uint8), r[0].contiguous().view(torch.uint8)), p.shape
+        if len(r) == 5:
+            for name, want in zip(names4, r[1:]):
+                assert torch.equal(st[name], want), (p.shape, name)
+    names = [d["name"] for d in emu.dispatches[before:]]
+    assert sum(n.startswith("fused_adam4bit_") for n in names) == 3 * 4
+    if sr:
+        assert names.count("fused_adam_sr_bfloat_float") == 3  # the small bf16 tensor

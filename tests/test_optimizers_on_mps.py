@@ -1,7 +1,8 @@
 """Every optimizer class on a real MPS device, on each Metal tier: plain steps, step_in_backward,
-8-bit states and bf16 stochastic rounding, against the same optimizer on CPU tensors (whose
-kernel the suite holds bit-identical to the Python reference), within the contract's GPU bound
-(8 * eps(dtype) * max|ref|); 8-bit codes must be identical, as the raw harness requires.
+8-bit and 4-bit states and bf16 stochastic rounding, against the same optimizer on CPU tensors
+(whose kernel the suite holds bit-identical to the Python reference), within the contract's GPU
+bound (8 * eps(dtype) * max|ref|); 8-bit and 4-bit codes must be identical, as the raw harness
+requires.
 
 Skipped without MPS; under MFA_REQUIRE_MPS=1 (the hosted macOS job where torch's MPS starts, the
 Apple Silicon job) a missing device, or a tier that does not load, fails with its reason.
@@ -18,7 +19,8 @@ import mps_fused_adam as mfa
 from conftest import public_optimizer_names, require_mps
 
 # (class, options): every public class but CPUAdam (CPU tensors only, DeepSpeed's signature),
-# 8-bit with min_8bit_size low enough that the larger tensors take 8-bit states.
+# 8-bit and 4-bit with min_8bit_size / min_4bit_size low enough that the larger tensors take
+# low-bit states (the 4-bit ones of odd sizes too: 4097 and 301 elements).
 CASES = [
     ("AdamW", dict(lr=1e-2, weight_decay=0.1)),
     ("Adam", dict(lr=1e-2, weight_decay=0.1, maximize=True)),
@@ -30,9 +32,12 @@ CASES = [
     ("Adam8bit", dict(lr=1e-2, weight_decay=0.1, min_8bit_size=256)),
     ("AdamW", dict(lr=1e-2, weight_decay=0.1, bf16_stochastic_round=True)),
     ("AdamW8bit", dict(lr=1e-2, weight_decay=0.1, min_8bit_size=256, bf16_stochastic_round=True)),
+    ("AdamW4bit", dict(lr=1e-2, weight_decay=0.1, min_4bit_size=256)),
+    ("Adam4bit", dict(lr=1e-2, weight_decay=0.1, min_4bit_size=256)),
+    ("AdamW4bit", dict(lr=1e-2, weight_decay=0.1, min_4bit_size=256, bf16_stochastic_round=True)),
 ]
 IDS = [f"{name}{'-sr' if kw.get('bf16_stochastic_round') else ''}" for name, kw in CASES]
-SHAPES = [((64, 80), torch.bfloat16), ((4097,), torch.float32), ((300,), torch.float16), ((7,), torch.bfloat16),
+SHAPES = [((64, 80), torch.bfloat16), ((4097,), torch.float32), ((301,), torch.float16), ((7,), torch.bfloat16),
           ((33, 7), torch.float32)]
 STEPS = 3
 
@@ -100,7 +105,7 @@ def test_optimizer_on_mps_matches_cpu(tier, cls_name, kwargs, in_backward):
             if not isinstance(value, torch.Tensor) or value.numel() <= 1:
                 continue
             got = st[key].cpu()
-            if value.dtype is torch.uint8:  # 8-bit codes
+            if value.dtype is torch.uint8:  # 8-bit and 4-bit codes
                 assert torch.equal(got, value), (tier, key, tuple(p.shape))
             else:
                 assert within_contract(got, value) <= 8, (tier, key, tuple(p.shape))
