@@ -27,9 +27,11 @@ METAL_TYPES = {"float": "f", "uint": "I"}
 PY_TYPES = {float: "f", int: "I"}
 
 # The two Metal-only rules of lowbit.py return plain tuples; their docstrings give the order:
-# Adam's scalars then the key; the 8-bit scalars then the stochastic-rounding switch and key.
+# Adam's scalars then the key; the 8-bit scalars then the stochastic-rounding switch and key
+# (the 4-bit rule of lowbit4.py shares the 8-bit rule's).
 TUPLE_FIELDS = {"adam_sr": AdamScalars._fields + ("sr_key",),
-                "adam8bit": lowbit.Adam8bitScalars._fields + ("sr", "sr_key")}
+                "adam8bit": lowbit.Adam8bitScalars._fields + ("sr", "sr_key"),
+                "adam4bit": lowbit.Adam8bitScalars._fields + ("sr", "sr_key")}
 
 
 def _code(text: str) -> str:
@@ -140,7 +142,10 @@ def test_metal_params_struct_matches_contract(name):
     kernels = sorted(k for (r, _, _), k in KERNELS.items() if r == name)
     assert kernels and all(k in instantiated for k in kernels), name
     [rule_struct] = {instantiated[k] for k in kernels}  # one rule struct serves all its dtype pairs
-    body = _body(text, rule_struct)
+    # A rule that is a specialization of a rule template (the block-wise ones: one template over
+    # their code formats) is read from the template's body.
+    alias = re.search(rf"typedef\s+(\w+)\s*<\s*\w+\s*>\s*{rule_struct}\s*;", text)
+    body = _body(text, alias.group(1) if alias else rule_struct)
     params = re.search(r"typedef\s+(\w+)\s+Params\s*;", body)
     assert params, f"{rule_struct} has no Params typedef"
     assert struct_fields(text, params.group(1), METAL_TYPES) == contract_fields(name)
