@@ -68,6 +68,20 @@ def require_bitsandbytes():
     return bitsandbytes
 
 
+def require_torchao():
+    """torchao, or a skip saying why; a failure where MFA_REQUIRE_TORCHAO=1. CI does not install
+    it: the 4-bit conversion tests that CI runs build torchao's state layout by hand."""
+    try:
+        import torchao.optim  # noqa: F401
+    except Exception as exc:
+        msg = f"torchao not importable ({exc!r}); pip install torchao to compare against it"
+        if os.environ.get("MFA_REQUIRE_TORCHAO"):
+            pytest.fail(msg + " (MFA_REQUIRE_TORCHAO is set)")
+        pytest.skip(msg)
+    import torchao
+    return torchao
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)

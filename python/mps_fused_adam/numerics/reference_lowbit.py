@@ -10,45 +10,76 @@ from typing import Optional
 
 import torch
 
-from . import lowbit
+from . import lowbit, lowbit4
 from .lowbit import BLOCK
+from .lowbit4 import BLOCK4
 from .reference import adam_elements, reference_adam_
 
 
-# ---- block-wise 8-bit storage -----------------------------------------------------------------
+# ---- block-wise storage, generic over the map and the block size -----------------------------
 
-def _blocks(x: torch.Tensor) -> torch.Tensor:
-    """``x`` flattened and zero-padded to whole blocks, as (blocks, BLOCK)."""
+def _blocks(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """``x`` flattened and zero-padded to whole blocks, as (blocks, block)."""
     flat = x.reshape(-1)
-    pad = (-flat.numel()) % BLOCK
+    pad = (-flat.numel()) % block
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    return flat.view(-1, BLOCK)
+    return flat.view(-1, block)
 
+
+def dequantize_with(codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor, block: int) -> torch.Tensor:
+    """fp32 values ``qmap[code] * absmax`` of the code's block, flat (one code per element)."""
+    n = codes.numel()
+    return (_blocks(qmap[codes.reshape(-1).long()], block) * absmax.view(-1, 1)).reshape(-1)[:n]
+
+
+def block_absmax(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """``max |x|`` per block (NaN if the block holds a NaN), fp32, one per block."""
+    return _blocks(x.abs(), block).amax(dim=1)
+
+
+def quantize_with(x: torch.Tensor, absmax: torch.Tensor, mids: torch.Tensor, block: int,
+                  positive_floor: int = 0) -> torch.Tensor:
+    """int64 codes of ``x`` (fp32, flat) in blocks with scales ``absmax``: ``xn = x * inv`` with
+    ``inv = 1 / absmax`` (0 for a zero scale), code = the number of ``mids`` strictly below ``xn``
+    (the nearest code, ties to the lower code), NaN to code 0; a positive ``xn`` gets at least
+    ``positive_floor`` (the 8-bit unsigned map's zero code is 0: floor 1)."""
+    inv = torch.where(absmax == 0, torch.zeros_like(absmax), torch.ones_like(absmax) / absmax)
+    xn = (_blocks(x, block) * inv.view(-1, 1)).reshape(-1)[: x.numel()]
+    codes = torch.searchsorted(mids, xn.contiguous(), right=False)  # number of midpoints < xn
+    codes = torch.where(torch.isnan(xn), torch.zeros_like(codes), codes)
+    if positive_floor:
+        codes = torch.where((codes < positive_floor) & (xn > 0), torch.full_like(codes, positive_floor), codes)
+    return codes
+
+
+# ---- 8-bit: one code byte per element, codes of the param's shape -----------------------------
 
 def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
     """fp32 values ``map[code] * absmax`` of the code's block (shape of ``codes``)."""
-    qmap = lowbit.dynamic_map(signed, codes.device)
-    vals = _blocks(qmap[codes.reshape(-1).long()])
-    return (vals * absmax.view(-1, 1)).reshape(-1)[: codes.numel()].view(codes.shape)
-
-
-def block_absmax(x: torch.Tensor) -> torch.Tensor:
-    """``max |x|`` per block (NaN if the block holds a NaN), fp32, one per block."""
-    return _blocks(x.abs()).amax(dim=1)
+    return dequantize_with(codes, absmax, lowbit.dynamic_map(signed, codes.device), BLOCK).view(codes.shape)
 
 
 def quantize(x: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
     """uint8 codes of ``x`` (fp32) in blocks with scales ``absmax``: the contract's nearest code,
     ties to the lower code, NaN to code 0, a positive second moment never to the zero code."""
-    inv = torch.where(absmax == 0, torch.zeros_like(absmax), torch.ones_like(absmax) / absmax)
-    xn = (_blocks(x) * inv.view(-1, 1)).reshape(-1)[: x.numel()]
-    mids = lowbit.code_midpoints(signed, x.device)
-    codes = torch.searchsorted(mids, xn.contiguous(), right=False)  # number of midpoints < xn
-    codes = torch.where(torch.isnan(xn), torch.zeros_like(codes), codes)
-    if not signed:
-        codes = torch.where((codes == 0) & (xn > 0), torch.ones_like(codes), codes)
+    codes = quantize_with(x, absmax, lowbit.code_midpoints(signed, x.device), BLOCK,
+                          0 if signed else lowbit.UNSIGNED_ZERO_CODE + 1)
     return codes.to(torch.uint8).view(x.shape)
+
+
+# ---- 4-bit: two codes a byte (lowbit4.pack_codes4), 1-D, blocks of lowbit4.BLOCK4 ------------
+
+def dequantize4(packed: torch.Tensor, absmax: torch.Tensor, signed: bool, numel: int) -> torch.Tensor:
+    """The ``numel`` fp32 values (flat) of a 4-bit moment: unpack, then ``map4[code] * absmax``."""
+    codes = lowbit4.unpack_codes4(packed, numel)
+    return dequantize_with(codes, absmax, lowbit4.map4(signed, packed.device), BLOCK4)
+
+
+def quantize4(x: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
+    """The packed code bytes of ``x`` (fp32) under block scales ``absmax`` (blocks of ``BLOCK4``):
+    nearest code, ties to the lower code, NaN to code 0 (no floor: the unsigned map has no zero)."""
+    return lowbit4.pack_codes4(quantize_with(x, absmax, lowbit4.midpoints4(signed, x.device), BLOCK4))
 
 
 def store_param_(param: torch.Tensor, p32: torch.Tensor, sr_key: Optional[int]) -> None:
@@ -86,16 +117,45 @@ def reference_adam8bit_(param: torch.Tensor, grad: torch.Tensor, exp_avg_codes: 
     if _needs_cpu(param):
         return _via_cpu(reference_adam8bit_, param, grad, exp_avg_codes, exp_avg_absmax, exp_avg_sq_codes,
                         exp_avg_sq_absmax, hp, sr_key)
-    s = lowbit.adam8bit_scalars(hp)
     m = dequantize(exp_avg_codes, exp_avg_absmax, signed=True)
     v = dequantize(exp_avg_sq_codes, exp_avg_sq_absmax, signed=False)
-    p, m, v = adam_elements(param.detach().float(), grad.detach().float(), m, v, s, clip=s.clip)
-    a1, a2 = block_absmax(m), block_absmax(v)
-    exp_avg_codes.copy_(quantize(m, a1, signed=True))
-    exp_avg_sq_codes.copy_(quantize(v, a2, signed=False))
-    exp_avg_absmax.copy_(a1)
-    exp_avg_sq_absmax.copy_(a2)
-    store_param_(param, p, sr_key)
+    m, v = _lowbit_adam_(param, grad, m, v, hp, sr_key, BLOCK, (exp_avg_absmax, exp_avg_sq_absmax))
+    exp_avg_codes.copy_(quantize(m, exp_avg_absmax, signed=True))
+    exp_avg_sq_codes.copy_(quantize(v, exp_avg_sq_absmax, signed=False))
+
+
+def _lowbit_adam_(param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, hp,
+                  sr_key: Optional[int], block: int, absmax: tuple[torch.Tensor, torch.Tensor]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step both low-bit rules share, on dequantized moments (fp32, the param's element
+    order): Adam v2 with the 8-bit rule's clamp, the new block scales written to ``absmax``, the
+    param stored; returns the new moments for the caller's quantizer."""
+    s = lowbit.adam8bit_scalars(hp)
+    shape = param.shape
+    p, m, v = adam_elements(param.detach().float().reshape(-1), grad.detach().float().reshape(-1),
+                            m.reshape(-1), v.reshape(-1), s, clip=s.clip)
+    absmax[0].copy_(block_absmax(m, block))
+    absmax[1].copy_(block_absmax(v, block))
+    store_param_(param, p.view(shape), sr_key)
+    return m.view(shape), v.view(shape)
+
+
+@torch.no_grad()
+def reference_adam4bit_(param: torch.Tensor, grad: torch.Tensor, exp_avg_codes: torch.Tensor,
+                        exp_avg_absmax: torch.Tensor, exp_avg_sq_codes: torch.Tensor,
+                        exp_avg_sq_absmax: torch.Tensor, hp, sr_key: Optional[int] = None) -> None:
+    """One 4-bit Adam step in place (``lowbit4.py``'s contract; ``hp``: :class:`~.contract.AdamHyper`):
+    the 8-bit rule (:func:`reference_adam8bit_`) with the 4-bit maps, blocks of 128 and packed
+    codes (``ceil(n / 2)`` bytes per moment). On MPS the same ops run on CPU copies."""
+    if _needs_cpu(param):
+        return _via_cpu(reference_adam4bit_, param, grad, exp_avg_codes, exp_avg_absmax, exp_avg_sq_codes,
+                        exp_avg_sq_absmax, hp, sr_key)
+    n = param.numel()
+    m = dequantize4(exp_avg_codes, exp_avg_absmax, True, n)
+    v = dequantize4(exp_avg_sq_codes, exp_avg_sq_absmax, False, n)
+    m, v = _lowbit_adam_(param, grad, m, v, hp, sr_key, BLOCK4, (exp_avg_absmax, exp_avg_sq_absmax))
+    exp_avg_codes.copy_(quantize4(m.reshape(-1), exp_avg_absmax, True))
+    exp_avg_sq_codes.copy_(quantize4(v.reshape(-1), exp_avg_sq_absmax, False))
 
 
 @torch.no_grad()
