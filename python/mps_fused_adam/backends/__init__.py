@@ -66,7 +66,7 @@ def lowbit_args(rule: str, states: Sequence[TensorList], hp: Any, sr_keys: Optio
     if adam is None:
         return states, hp, sr_keys
     key = hp.sr_key
-    if rule == "adam8bit":
+    if rule in ("adam8bit", "adam4bit"):
         codes1, codes2, absmax1, absmax2 = states[:4]
         states = [codes1, absmax1, codes2, absmax2]
     return states, adam, None if key is None else [key] * n
@@ -187,7 +187,7 @@ class ForeachBackend:
 
 
 _LOWBIT_RULES = ("adam_sr", "adam8bit")
-_LOWBIT_STATE = {"adam8bit": (torch.uint8,)}  # rules whose states are not fp32 or the param dtype
+_LOWBIT_STATE = {"adam8bit": (torch.uint8,), "adam4bit": (torch.uint8,)}  # rules whose states are not fp32 or the param dtype
 
 
 def _standard_kernel(kernel: Kernel, rules: Iterable[str], who: str) -> Optional[str]:
@@ -229,6 +229,8 @@ class CPUBackend:
             rules.add("adam_sr")
         if hasattr(_cpu, "adam8bit_step_many"):
             rules.add("adam8bit")
+        if hasattr(_cpu, "adam4bit_step_many"):
+            rules.add("adam4bit")
         self._rules = frozenset(rules)
         self.simd = _cpu.simd_path()
         wanted = os.environ.get("MPS_FUSED_ADAM_SIMD")
@@ -252,7 +254,8 @@ class CPUBackend:
     def unavailable(self, kernel: Kernel) -> Optional[str]:
         """The rules this build of ``_cpu`` has (``_cpu.rules()``), on fp32, fp16 and bf16 params with
         fp32 or same-dtype states; ``adam_sr`` as its Adam rule's bf16 stochastic-rounding store
-        (``sr_keys``), ``adam8bit`` through ``_cpu.adam8bit_step_many``."""
+        (``sr_keys``), ``adam8bit`` through ``_cpu.adam8bit_step_many``, ``adam4bit`` (``lowbit4``'s
+        packed codes, states in ``adam8bit``'s order) through ``_cpu.adam4bit_step_many``."""
         return _standard_kernel(kernel, self._rules | set(_LOWBIT_RULES), "the _cpu extension")
 
     def prepare(self, kernels: Iterable[Kernel]) -> None:
@@ -263,10 +266,12 @@ class CPUBackend:
         """``sr_keys``: for bf16 params, one ``lowbit.sr_key`` per param to store them by
         stochastic rounding (lowbit.py's contract); None rounds to nearest even. The low-bit
         rules as the module docstring says, in one call for all the tensors."""
-        if rule in _LOWBIT_RULES:
+        if rule in _LOWBIT_RULES or rule == "adam4bit":
             states, hp, sr_keys = lowbit_args(rule, states, hp, sr_keys, len(params))
             if rule == "adam8bit":
                 return self._adam8bit(params, grads, states, hp, sr_keys)
+            if rule == "adam4bit":
+                return self._adam4bit(params, grads, states, hp, sr_keys)
             rule = "adam"
         self._cpu.step(
             rule, addresses(params), addresses(grads), [addresses(lst) for lst in states], numels(params),
@@ -283,6 +288,18 @@ class CPUBackend:
             addresses(params), addresses(grads), addresses(codes1), addresses(absmax1), addresses(codes2),
             addresses(absmax2), numels(params), [_DTYPE_CODES[params[0].dtype]] * n,
             lowbit.kernel_table(True).data_ptr(), lowbit.kernel_table(False).data_ptr(),
+            [packed_scalars("adam8bit", hp)] * n, [0] * n if sr_keys is None else list(sr_keys),
+            [int(sr_keys is not None)] * n, torch.get_num_threads())
+
+    def _adam4bit(self, params, grads, states, hp, sr_keys) -> None:
+        """One ``adam4bit_step_many`` call (``_adam8bit``'s arguments; the maps are ``kernel_table4``)."""
+        from ..numerics import lowbit4
+        n = len(params)
+        codes1, absmax1, codes2, absmax2 = states
+        self._cpu.adam4bit_step_many(
+            addresses(params), addresses(grads), addresses(codes1), addresses(absmax1), addresses(codes2),
+            addresses(absmax2), numels(params), [_DTYPE_CODES[params[0].dtype]] * n,
+            lowbit4.kernel_table4(True).data_ptr(), lowbit4.kernel_table4(False).data_ptr(),
             [packed_scalars("adam8bit", hp)] * n, [0] * n if sr_keys is None else list(sr_keys),
             [int(sr_keys is not None)] * n, torch.get_num_threads())
 
