@@ -39,7 +39,7 @@ else()
 endif()
 
 nanobind_add_module(_cpu NB_STATIC
-  src/cpu/bindings.cpp src/cpu/adam8bit.cpp src/cpu/step_plan.cpp src/cpu/tensor_handles.cpp src/cpu/dispatch.cpp src/cpu/step.cpp src/cpu/thread_pool.cpp
+  src/cpu/bindings.cpp src/cpu/adam8bit.cpp src/cpu/adam4bit.cpp src/cpu/step_plan.cpp src/cpu/tensor_handles.cpp src/cpu/dispatch.cpp src/cpu/step.cpp src/cpu/thread_pool.cpp
   src/cpu/zenflow_ctrl.cpp
   src/cpu/torch_openmp.cpp ${MFA_ISA_OBJECTS})
 target_compile_options(_cpu PRIVATE ${MFA_CPU_MATH_FLAGS})

@@ -43,7 +43,7 @@ def isa_builds() -> dict[str, list[str]]:
 def test_the_lists_are_read():
     """The cmake file's shapes that the checks below parse are still there."""
     names = {p.name for p in module_sources()}
-    assert {"bindings.cpp", "dispatch.cpp", "step.cpp", "thread_pool.cpp"} <= names
+    assert {"bindings.cpp", "dispatch.cpp", "step.cpp", "thread_pool.cpp", "adam8bit.cpp", "adam4bit.cpp"} <= names
     assert all(p.is_file() for p in module_sources())
     assert {"scalar", "neon", "avx2", "avx512", "avx512bf16"} <= set(isa_builds())
 
@@ -77,6 +77,7 @@ def test_simd_builds_parse_with_libcxx(isa):
     _parse([*clang_libcxx(), *target, *flags, f"-I{SRC}"], [SRC / f"adam_{isa}.cpp"])
 
 
-@pytest.mark.skipif(sys.platform == "darwin", reason="tests/test_native_isa.py builds it on Linux only")
-def test_parity_harness_parses_with_libcxx():
-    _parse([*clang_libcxx(), f"-I{SRC}", "-DMFA_NATIVE_NS=isa_scalar"], [ROOT / "tests" / "native" / "isa_parity.cpp"])
+@pytest.mark.skipif(sys.platform == "darwin", reason="tests/test_native_isa.py and test_cpu_4bit.py build them on Linux only")
+@pytest.mark.parametrize("harness", ["isa_parity.cpp", "q4_parity.cpp"])
+def test_parity_harness_parses_with_libcxx(harness):
+    _parse([*clang_libcxx(), f"-I{SRC}", "-DMFA_NATIVE_NS=isa_scalar"], [ROOT / "tests" / "native" / harness])

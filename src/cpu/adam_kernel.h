@@ -277,11 +277,13 @@ inline void fill_row(SpanFn (&row)[static_cast<int>(Combo::Count)]) {
 }
 
 #include "adam8bit_kernel.h"
+#include "adam4bit_kernel.h"
 
 inline IsaTable make_table(const char* name) {
   IsaTable t{};
   t.name = name;
   fill_adam8bit(t);
+  fill_adam4bit(t);
 #define MFA_FILL_ROW(id, rname, functor, scalars, states)                                       \
   static_assert(functor::kStates == (states) && (states) <= kMaxStates, "state count of " rname); \
   static_assert(std::is_same<functor::Scalars, scalars>::value, "scalar struct of " rname);      \

@@ -145,12 +145,36 @@ enum class Q8Param : int { F32 = 0, F16, BF16, BF16SR, Count };
 // Codes of x[0..n) on one map, as the 8-bit step quantizes (the tests' window onto the search).
 using Q8QuantizeFn = void (*)(const float* x, int64_t n, const Q8Map& map, bool positive_floor, uint8_t* out);
 
+// ---- 4-bit block-wise Adam (lowbit4.py's contract; adam4bit_kernel.h, adam4bit.cpp) -----------
+
+constexpr int64_t kQ4Block = 128;  // elements per block: one fp32 scale per moment
+constexpr int kQ4Table = 32;       // lowbit4.kernel_table4: 16 code values, 15 midpoints, one 0 pad
+
+// One tensor's 4-bit step: codes of elements 2i and 2i+1 share byte i (high nibble = even
+// element), ceil(n / 2) bytes per moment. The maps are copied in (checked by adam4bit.cpp).
+struct Q4Job {
+  void* param;
+  const void* grad;
+  uint8_t* codes1;
+  float* absmax1;
+  uint8_t* codes2;
+  float* absmax2;
+  int64_t n;
+  Adam8bitScalars s;  // the 4-bit rule has the 8-bit rule's scalars, clamp included
+  uint32_t sr_key;
+  alignas(64) float map1[kQ4Table];  // signed (first moment)
+  alignas(64) float map2[kQ4Table];  // unsigned, zero-free (second)
+};
+using Q4Fn = void (*)(const Q4Job&, int64_t b0, int64_t b1);  // blocks [b0, b1) of one job
+
 struct IsaTable {
   const char* name;
   SpanFn fn[static_cast<int>(RuleId::Count)][static_cast<int>(Combo::Count)];
   Q8Fn adam8bit[static_cast<int>(Q8Param::Count)];
   Q8Fn adam8bit_floor[static_cast<int>(Q8Param::Count)];  // the benchmark's memory floor
   Q8QuantizeFn q8_quantize;  // the 8-bit kernel's nearest-code search alone (tests)
+  Q4Fn adam4bit[static_cast<int>(Q8Param::Count)];  // per param storage, as adam8bit
+  Q4Fn adam4bit_floor[static_cast<int>(Q8Param::Count)];  // the benchmark's memory floor
 };
 
 }  // namespace mfa

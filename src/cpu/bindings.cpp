@@ -22,6 +22,7 @@ using namespace mfa;
 
 namespace mfa {
 void register_adam8bit(nb::module_& m);  // adam8bit.cpp: the 8-bit block-wise Adam step
+void register_adam4bit(nb::module_& m);  // adam4bit.cpp: the 4-bit block-wise Adam step
 }
 void register_step_plan(nb::module_& m);  // step_plan.cpp
 
@@ -222,6 +223,7 @@ NB_MODULE(_cpu, m) {
         "Turn the 8-bit kernel's permute dequantization off or on again; no bit changes, only the\n"
         "speed (measured both ways in one process: diag_q8_dequant.py, docs/experiments.md).");
   register_adam8bit(m);
+  register_adam4bit(m);
   register_step_plan(m);
   m.def("pool_size", [] { return ThreadPool::instance().size(); }, "Threads in the pool, the caller included.");
   m.def("pin_pool", [](const std::vector<int>& cores, bool one_per_thread) {

@@ -1,0 +1,349 @@
+// The 4-bit block-wise Adam step (lowbit4.py's contract, reference_adam4bit_) over whole blocks,
+// generic over the ISA's `Vec`. Included by adam_kernel.h after adam8bit_kernel.h, inside each SIMD
+// build's own namespace; it reuses ParamStorage (stochastic rounding), AdamRule and the 8-bit
+// kernel's absmax accumulator and clamp, so the element math is the one statement of it.
+//
+// A block (128 elements, 64 code bytes per moment) is two passes, as in the 8-bit kernel:
+// dequantize each vector's codes, Adam v2 with the clamp, store the param, keep m and v in L1
+// scratch and track their absmax; then quantize with the new scales. With 16 codes there is no
+// gather anywhere: a vector's codes index a 16-entry table held in registers (permutexvar on
+// AVX-512, two vpermps on AVX2, tbl on NEON), and the nearest code, the count of the 15 midpoints
+// strictly below x, is a branchless 4-step binary search whose levels are again register tables.
+// Every path performs the reference's fp32 operations in its order (-ffp-contract=off), and the
+// search's comparisons are exact, so all paths agree bit for bit.
+#pragma once
+
+namespace q4 {
+
+constexpr int W = Vec::W;
+using F = Vec::F;
+// Elements quantized per step of the second pass: one vector, or a pair (one code byte) where a
+// vector holds a single element (the scalar build).
+constexpr int G = W >= 2 ? W : 2;
+static_assert(kQ4Block % G == 0 && kQ4Block % W == 0, "a block is whole vectors and whole code bytes");
+
+// The midpoints of one map (kernel_table4 words 16..30) by binary-search level: the count of
+// midpoints below x is 8 * (x > M7) + 4 * (x > M[c + 3]) + 2 * (x > M[c + 1]) + (x > M[c]), each
+// step testing the midpoint that halves what the earlier ones left (c: the count so far). The
+// vector paths index a level by r = c >> (4 - level), hence l2, l3, l4 hold every second,
+// fourth and eighth midpoint from the right offsets.
+struct Levels {
+  float top;
+  float l2[8], l3[8], l4[8];
+  explicit Levels(const float* table) : top(table[16 + 7]), l2{}, l3{}, l4{} {
+    const float* mid = table + 16;
+    for (int r = 0; r < 2; ++r) l2[r] = mid[8 * r + 3];
+    for (int r = 0; r < 4; ++r) l3[r] = mid[4 * r + 1];
+    for (int r = 0; r < 8; ++r) l4[r] = mid[2 * r];
+  }
+};
+
+#if defined(MFA_ISA_AVX512)
+struct Dq {
+  __m512 values;
+  explicit Dq(const float* table) : values(_mm512_loadu_ps(table)) {}
+};
+// The 16 codes of elements i..i+15 (i even: 8 bytes), one per lane; a low-nibble lane keeps its
+// byte's high bits too, which the table permutes (they read 4 index bits) ignore.
+inline __m512i nibbles(const uint8_t* codes, int64_t i) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + (i >> 1)));
+  const __m512i w = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));  // byte k in lanes 2k and 2k + 1
+  return _mm512_srlv_epi32(w, _mm512_setr_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0));
+}
+inline F dequant(const uint8_t* codes, int64_t i, const Dq& d, F scale) {
+  return _mm512_mul_ps(_mm512_permutexvar_ps(nibbles(codes, i), d.values), scale);
+}
+// Here the count c itself indexes the levels (16-entry permutes): level tables shifted so that
+// entry c is M[c + 3], M[c + 1], M[c].
+struct Quant {
+  __m512 top, t2, t3, t4;
+  explicit Quant(const float* table) {
+    alignas(64) float m[32] = {};
+    for (int k = 0; k < 15; ++k) m[k] = table[16 + k];
+    top = _mm512_set1_ps(m[7]);
+    t2 = _mm512_loadu_ps(m + 3);
+    t3 = _mm512_loadu_ps(m + 1);
+    t4 = _mm512_loadu_ps(m);
+  }
+};
+inline __m512i code_of(F x, const Quant& q) {  // ordered comparisons: NaN counts no midpoint
+  __m512i c = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(x, q.top, _CMP_GT_OQ), _mm512_set1_epi32(8));
+  c = _mm512_mask_or_epi32(c, _mm512_cmp_ps_mask(x, _mm512_permutexvar_ps(c, q.t2), _CMP_GT_OQ), c,
+                           _mm512_set1_epi32(4));
+  c = _mm512_mask_or_epi32(c, _mm512_cmp_ps_mask(x, _mm512_permutexvar_ps(c, q.t3), _CMP_GT_OQ), c,
+                           _mm512_set1_epi32(2));
+  return _mm512_mask_or_epi32(c, _mm512_cmp_ps_mask(x, _mm512_permutexvar_ps(c, q.t4), _CMP_GT_OQ), c,
+                              _mm512_set1_epi32(1));
+}
+// 16 codes (one per 32-bit lane) as 8 bytes: each 64-bit lane holds an even and an odd element's
+// code, (even << 4) | odd lands in its low byte, and vpmovqb keeps the low bytes.
+inline void pack(uint8_t* out, __m512i c) {
+  const __m512i t = _mm512_or_si512(_mm512_slli_epi64(c, 4), _mm512_srli_epi64(c, 32));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm512_cvtepi64_epi8(t));
+}
+#elif defined(MFA_ISA_AVX2)
+struct Dq {
+  __m256 lo, hi;  // codes 0..7 and 8..15
+  explicit Dq(const float* table) : lo(_mm256_loadu_ps(table)), hi(_mm256_loadu_ps(table + 8)) {}
+};
+inline __m256i nibbles(const uint8_t* codes, int64_t i) {  // as AVX-512's: 8 codes of 4 bytes
+  uint32_t u;
+  __builtin_memcpy(&u, codes + (i >> 1), 4);
+  const __m128i b = _mm_cvtsi32_si128(int(u));
+  const __m256i w = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));
+  return _mm256_srlv_epi32(w, _mm256_setr_epi32(4, 0, 4, 0, 4, 0, 4, 0));
+}
+inline F dequant(const uint8_t* codes, int64_t i, const Dq& d, F scale) {
+  // vpermps reads 3 index bits; bit 3, shifted into the sign, picks the table half.
+  const __m256i c = nibbles(codes, i);
+  const __m256 v = _mm256_blendv_ps(_mm256_permutevar8x32_ps(d.lo, c), _mm256_permutevar8x32_ps(d.hi, c),
+                                    _mm256_castsi256_ps(_mm256_slli_epi32(c, 28)));
+  return _mm256_mul_ps(v, scale);
+}
+struct Quant {
+  __m256 top, l2, l3, l4;
+  explicit Quant(const float* table) {
+    const Levels lv(table);
+    top = _mm256_set1_ps(lv.top);
+    l2 = _mm256_loadu_ps(lv.l2);
+    l3 = _mm256_loadu_ps(lv.l3);
+    l4 = _mm256_loadu_ps(lv.l4);
+  }
+};
+// r doubles each step and gains the comparison (a true mask is -1): r = c >> (4 - level).
+inline __m256i code_of(F x, const Quant& q) {
+  const auto step = [&](__m256i r, __m256 level) {
+    return _mm256_sub_epi32(_mm256_add_epi32(r, r),
+                            _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_permutevar8x32_ps(level, r), _CMP_GT_OQ)));
+  };
+  const __m256i r = _mm256_srli_epi32(_mm256_castps_si256(_mm256_cmp_ps(x, q.top, _CMP_GT_OQ)), 31);
+  return step(step(step(r, q.l2), q.l3), q.l4);
+}
+inline void pack(uint8_t* out, __m256i c) {  // as AVX-512's: the 4 low bytes of the 64-bit lanes
+  const __m256i t = _mm256_or_si256(_mm256_slli_epi64(c, 4), _mm256_srli_epi64(c, 32));
+  __m128i w = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(t, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6)));
+  w = _mm_packus_epi16(_mm_packus_epi32(w, w), w);
+  const uint32_t u = uint32_t(_mm_cvtsi128_si32(w));
+  __builtin_memcpy(out, &u, 4);
+}
+#elif defined(MFA_ISA_NEON)
+struct Dq {
+  uint8x16x4_t values;  // the 16 code values as 64 table bytes
+  explicit Dq(const float* table) {
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(table);
+    values = uint8x16x4_t{{vld1q_u8(b), vld1q_u8(b + 16), vld1q_u8(b + 32), vld1q_u8(b + 48)}};
+  }
+};
+// Byte indices 4r..4r+3 of each lane's table entry r.
+inline uint8x16_t entry_bytes(uint32x4_t r) {
+  return vreinterpretq_u8_u32(vmlaq_n_u32(vdupq_n_u32(0x03020100u), r, 0x04040404u));
+}
+inline F dequant(const uint8_t* codes, int64_t i, const Dq& d, F scale) {
+  uint16_t h;  // bytes i/2 and i/2 + 1: codes of elements i..i+3 in nibbles 1, 0, 3, 2
+  __builtin_memcpy(&h, codes + (i >> 1), 2);
+  const int32x4_t shift = {-4, 0, -12, -8};
+  const uint32x4_t c = vandq_u32(vshlq_u32(vdupq_n_u32(h), shift), vdupq_n_u32(15));
+  return vmulq_f32(vreinterpretq_f32_u8(vqtbl4q_u8(d.values, entry_bytes(c))), scale);
+}
+struct Quant {
+  float32x4_t top;
+  uint8x16x2_t l2, l3, l4;
+  static uint8x16x2_t bytes8(const float* t) {
+    return uint8x16x2_t{{vreinterpretq_u8_f32(vld1q_f32(t)), vreinterpretq_u8_f32(vld1q_f32(t + 4))}};
+  }
+  explicit Quant(const float* table) {
+    const Levels lv(table);
+    top = vdupq_n_f32(lv.top);
+    l2 = bytes8(lv.l2);
+    l3 = bytes8(lv.l3);
+    l4 = bytes8(lv.l4);
+  }
+};
+inline uint32x4_t code_of(F x, const Quant& q) {  // AVX2's steps, the levels by tbl
+  const auto step = [&](uint32x4_t r, const uint8x16x2_t& level) {
+    return vsubq_u32(vaddq_u32(r, r), vcgtq_f32(x, vreinterpretq_f32_u8(vqtbl2q_u8(level, entry_bytes(r)))));
+  };
+  const uint32x4_t r = vshrq_n_u32(vcgtq_f32(x, q.top), 31);
+  return step(step(step(r, q.l2), q.l3), q.l4);
+}
+inline void pack(uint8_t* out, uint32x4_t c) {  // AVX-512's pairing in 64-bit lanes, then their low bytes
+  const uint64x2_t c64 = vreinterpretq_u64_u32(c);
+  const uint64x2_t t = vorrq_u64(vshlq_n_u64(c64, 4), vshrq_n_u64(c64, 32));
+  const uint8x16_t low = {0, 8, 0, 8, 0, 8, 0, 8, 0, 8, 0, 8, 0, 8, 0, 8};
+  const uint16_t h = vgetq_lane_u16(vreinterpretq_u16_u8(vqtbl1q_u8(vreinterpretq_u8_u64(t), low)), 0);
+  __builtin_memcpy(out, &h, 2);
+}
+#else
+// One element at a time: the contract's definitions themselves.
+struct Dq {
+  float values[16];
+  explicit Dq(const float* table) { __builtin_memcpy(values, table, sizeof values); }
+};
+inline F dequant(const uint8_t* codes, int64_t i, const Dq& d, F scale) {
+  const unsigned c = (unsigned(codes[i >> 1]) >> ((i & 1) ? 0 : 4)) & 15u;
+  return d.values[c] * scale;
+}
+struct Quant {
+  float mid[15];
+  explicit Quant(const float* table) { __builtin_memcpy(mid, table + 16, sizeof mid); }
+};
+inline unsigned code_of(float x, const Quant& q) {  // midpoints strictly below x; NaN: none
+  unsigned c = 0;
+  for (int k = 0; k < 15; ++k) c += q.mid[k] < x ? 1u : 0u;
+  return c;
+}
+#endif
+
+// Codes of the G scratch values x[0..G) times inv, elements i..i+G-1 (i even), as G / 2 bytes.
+inline void quantize(uint8_t* codes, int64_t i, const float* x, F inv, const Quant& q) {
+#if defined(MFA_ISA_AVX512) || defined(MFA_ISA_AVX2) || defined(MFA_ISA_NEON)
+  pack(codes + (i >> 1), code_of(Vec::load(x) * inv, q));
+#else
+  codes[i >> 1] = uint8_t((code_of(x[0] * inv, q) << 4) | code_of(x[1] * inv, q));
+#endif
+}
+
+// Blocks [b0, b1): the 4-bit step of lowbit4.py, one block after another.
+template <class PS>
+void adam4bit_blocks(const Q4Job& job, int64_t b0, int64_t b1) {
+  using P = typename ParamStorage<PS>::T;
+  const Adam8bitScalars& s = job.s;
+  const AdamRule adam(s);
+  const F clip = Vec::set1(s.clip), nclip = Vec::set1(-s.clip);
+  // Locals, not job fields: byte stores may alias anything, so fields would be reloaded.
+  P* const param = static_cast<P*>(job.param);
+  const P* const grad = static_cast<const P*>(job.grad);
+  uint8_t* const codes1 = job.codes1;
+  uint8_t* const codes2 = job.codes2;
+  float* const absmax1 = job.absmax1;
+  float* const absmax2 = job.absmax2;
+  const int64_t n = job.n;
+  const uint32_t sr_key = job.sr_key;
+  const Dq dq1(job.map1), dq2(job.map2);
+  const Quant quant1(job.map1), quant2(job.map2);
+  alignas(64) float mb[kQ4Block + G], vb[kQ4Block + G];
+  // One vector: dequantize (codes at element ci of c1/c2), Adam v2 with the clamp, store the
+  // param; m and v come back.
+  auto update = [&](P* pp, const P* gp, const uint8_t* c1, const uint8_t* c2, int64_t ci, int64_t index, F a1,
+                    F a2, F& m, F& v) {
+    F p = Vec::load(pp), g = Vec::load(gp);
+    m = dequant(c1, ci, dq1, a1);
+    v = dequant(c2, ci, dq2, a2);
+    adam.step(p, g, m, v, [&](F u) { return q8::clamp(u, nclip, clip); });
+    ParamStorage<PS>::store(pp, p, sr_key, index);
+  };
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t lo = b * kQ4Block;
+    const int len = int(n - lo < kQ4Block ? n - lo : kQ4Block);
+    const F a1 = Vec::set1(absmax1[b]), a2 = Vec::set1(absmax2[b]);
+    q8::Acc mx1 = q8::acc_zero(), mx2 = q8::acc_zero();
+    int j = 0;
+    for (; j + W <= len; j += W) {
+      F m, v;
+      update(param + lo + j, grad + lo + j, codes1, codes2, lo + j, lo + j, a1, a2, m, v);
+      Vec::store(mb + j, m);
+      Vec::store(vb + j, v);
+      mx1 = q8::acc_max(mx1, m);
+      mx2 = q8::acc_max(mx2, v);
+    }
+    const int r = len - j;
+    if (r > 0) {
+      // A short last vector (vector paths) through the same math on zero-padded copies; its pad
+      // lanes are zeroed before they could reach the absmax.
+      P pb[W] = {}, gb[W] = {};
+      uint8_t cb1[W] = {}, cb2[W] = {};
+      for (int k = 0; k < r; ++k) {
+        pb[k] = param[lo + j + k];
+        gb[k] = grad[lo + j + k];
+      }
+      for (int k = 0; k < (r + 1) / 2; ++k) {
+        cb1[k] = codes1[(lo + j) / 2 + k];
+        cb2[k] = codes2[(lo + j) / 2 + k];
+      }
+      F m, v;
+      update(pb, gb, cb1, cb2, 0, lo + j, a1, a2, m, v);
+      for (int k = 0; k < r; ++k) param[lo + j + k] = pb[k];
+      Vec::store(mb + j, m);
+      Vec::store(vb + j, v);
+      for (int k = r; k < W; ++k) mb[j + k] = vb[j + k] = 0.0f;
+      mx1 = q8::acc_max(mx1, Vec::load(mb + j));
+      mx2 = q8::acc_max(mx2, Vec::load(vb + j));
+    }
+    // The absmax as the reference's amax of |x| (adam8bit_kernel.h says why the bit patterns).
+    const float s1 = q8::from_bits(q8::acc_reduce(mx1)), s2 = q8::from_bits(q8::acc_reduce(mx2));
+    const F inv1 = Vec::set1(s1 == 0.0f ? 0.0f : 1.0f / s1), inv2 = Vec::set1(s2 == 0.0f ? 0.0f : 1.0f / s2);
+    for (int k = len; k < kQ4Block + G && k % G; ++k) mb[k] = vb[k] = 0.0f;  // an odd length's pair
+    for (j = 0; j + G <= len; j += G) {
+      quantize(codes1, lo + j, mb + j, inv1, quant1);
+      quantize(codes2, lo + j, vb + j, inv2, quant2);
+    }
+    if (j < len) {
+      // The short last block's last codes: whole bytes only; an odd length's last byte keeps
+      // its low nibble 0 (the contract's pad).
+      uint8_t q1[G / 2], q2[G / 2];
+      quantize(q1, 0, mb + j, inv1, quant1);
+      quantize(q2, 0, vb + j, inv2, quant2);
+      const int bytes = (len - j + 1) / 2;
+      if ((len - j) & 1) {
+        q1[bytes - 1] &= 0xF0;
+        q2[bytes - 1] &= 0xF0;
+      }
+      for (int k = 0; k < bytes; ++k) {
+        codes1[(lo + j) / 2 + k] = q1[k];
+        codes2[(lo + j) / 2 + k] = q2[k];
+      }
+    }
+    absmax1[b] = s1;
+    absmax2[b] = s2;
+  }
+}
+
+// The memory floor of the 4-bit step (bench), as adam8bit_floor_blocks: per block the same bytes
+// read and written (param, grad, both code arrays, both scales), trivial math that keeps every value.
+template <class PS>
+void adam4bit_floor_blocks(const Q4Job& job, int64_t b0, int64_t b1) {
+  using P = typename ParamStorage<PS>::T;
+  P* const param = static_cast<P*>(job.param);
+  const P* const grad = static_cast<const P*>(job.grad);
+  uint8_t* const codes1 = job.codes1;
+  uint8_t* const codes2 = job.codes2;
+  float* const absmax1 = job.absmax1;
+  float* const absmax2 = job.absmax2;
+  const int64_t n = job.n;
+  const float zero = job.s.weight_decay - job.s.weight_decay;
+  const F zv = Vec::set1(zero);
+  const uint8_t zc = uint8_t(int(zero));  // from the float: an integer x - x would fold to 0
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t lo = b * kQ4Block;
+    const int64_t hi = n - lo < kQ4Block ? n : lo + kQ4Block;
+    int64_t i = lo;
+    for (; i + W <= hi; i += W) Vec::store(param + i, Vec::load(param + i) + Vec::load(grad + i) * zv);
+    if (i < hi) {
+      P pb[W] = {}, gb[W] = {};
+      const int64_t r = hi - i;
+      for (int64_t k = 0; k < r; ++k) {
+        pb[k] = param[i + k];
+        gb[k] = grad[i + k];
+      }
+      Vec::store(pb, Vec::load(pb) + Vec::load(gb) * zv);
+      for (int64_t k = 0; k < r; ++k) param[i + k] = pb[k];
+    }
+    for (i = lo / 2; i < (hi + 1) / 2; ++i) codes1[i] = uint8_t(codes1[i] + zc);
+    for (i = lo / 2; i < (hi + 1) / 2; ++i) codes2[i] = uint8_t(codes2[i] + zc);
+    absmax1[b] = absmax1[b] + zero;
+    absmax2[b] = absmax2[b] + zero;
+  }
+}
+
+}  // namespace q4
+
+inline void fill_adam4bit(IsaTable& t) {
+  t.adam4bit[int(Q8Param::F32)] = q4::adam4bit_blocks<float>;
+  t.adam4bit[int(Q8Param::F16)] = q4::adam4bit_blocks<mfa::f16>;
+  t.adam4bit[int(Q8Param::BF16)] = q4::adam4bit_blocks<mfa::bf16>;
+  t.adam4bit[int(Q8Param::BF16SR)] = q4::adam4bit_blocks<mfa::bf16sr>;
+  t.adam4bit_floor[int(Q8Param::F32)] = q4::adam4bit_floor_blocks<float>;
+  t.adam4bit_floor[int(Q8Param::F16)] = q4::adam4bit_floor_blocks<mfa::f16>;
+  t.adam4bit_floor[int(Q8Param::BF16)] = q4::adam4bit_floor_blocks<mfa::bf16>;
+  t.adam4bit_floor[int(Q8Param::BF16SR)] = q4::adam4bit_floor_blocks<mfa::bf16>;
+}
