@@ -77,12 +77,13 @@ def test_check_only_json():
     from mps_fused_adam.numerics.contract import RULES
     from mps_fused_adam.tools.selfcheck import AGREEMENT_BOUND, AGREEMENT_LABEL, PAIRS
     cpu_paths = [r for r in report["self_check"] if r["backend"].startswith("_cpu (")]
-    # Every rule of contract.RULES per dtype pair; 8-bit Adam x 3, stochastic rounding x 2; several
-    # tensors in one call; torch.optim.AdamW
-    per_path = len(PAIRS) * len(RULES) + 5 + 1 + 1
+    # Every rule of contract.RULES per dtype pair; 8-bit Adam x 3, stochastic rounding x 2, 4-bit
+    # Adam x 3; several tensors in one call; torch.optim.AdamW
+    per_path = len(PAIRS) * len(RULES) + 5 + 3 + 1 + 1
     assert cpu_paths and len(cpu_paths) % per_path == 0
     paths = len(cpu_paths) // per_path
     assert sum(r["dtypes"].startswith(("adam8bit ", "adam-sr ")) for r in cpu_paths) == 5 * paths
+    assert sum(r["dtypes"].startswith("adam4bit ") for r in cpu_paths) == 3 * paths
     agreement = [r for r in report["self_check"] if r["dtypes"] == AGREEMENT_LABEL]
     assert [r["backend"] for r in agreement] == [r["backend"] for r in cpu_paths[::per_path]] + ["foreach"]
     assert all(0 < r["worst_in_eps"] < AGREEMENT_BOUND and r["passed"] for r in agreement)
