@@ -1,4 +1,5 @@
-"""Low-bit options, measured: ``python benchmarks/lowbit.py [--steps 2000] [--size 16777216] [--out benchmarks/results/lowbit]``.
+"""Low-bit options, measured: ``python benchmarks/lowbit.py [--steps 2000] [--size 16777216] [--out benchmarks/results/lowbit]``;
+``python benchmarks/lowbit.py --lm [--steps 600]``: the transformer language model run (4., only).
 
 1. Training curves (the longer version of tests/test_lowbit_training.py, plus bf16 with Kahan
    compensation in plain torch, for the decision on offering it): fp32 AdamW, AdamW8bit,
@@ -10,10 +11,17 @@
    params with and without stochastic rounding (its overhead). The machine is shared: only ratios
    within one run mean anything, and the ratios against the floor and the stochastic-rounding
    overheads are taken round by round (their median, with the middle half of the rounds).
+4. ``--lm``: a small decoder-only transformer language model built from :data:`LM_CONFIG` (no
+   downloads: its corpus is sampled from a fixed random order-2 Markov source, so the best
+   possible loss is known), trained for a few hundred steps with fp32 AdamW, AdamW8bit and
+   AdamW4bit (fp32 params, and 4-bit with bf16 params + stochastic rounding), on the same
+   minibatches; held-out loss curves to ``results/lowbit_lm_curves.csv`` (drawn by plots.py),
+   final losses to ``results/lowbit_lm.txt``.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -199,6 +207,136 @@ def speed(size: int, repeats: int, threads: int) -> list[str]:
 FLOOR8 = "8-bit memory floor"
 
 
+# ---- 4. a small transformer language model ----------------------------------------------------
+
+LM_CONFIG = dict(vocab=32, context=32, d_model=64, heads=4, layers=3, ff=256, batch=32, lr=3e-3, warmup=40,
+                 weight_decay=0.01, eval_batches=4, eval_every=10)
+LM_MODES = ("fp32", "8bit", "4bit", "4bit-bf16-sr")
+
+
+class MarkovSource:
+    """A fixed random order-2 Markov source over ``vocab`` tokens: each pair of previous tokens
+    picks among 8 next tokens (Dirichlet(1) weights), so text has structure a model must
+    learn from context, and its entropy rate (the best achievable loss) is computed exactly."""
+
+    def __init__(self, vocab: int, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.vocab = vocab
+        probs = torch.zeros(vocab * vocab, vocab)
+        for row in range(vocab * vocab):
+            nxt = torch.randperm(vocab, generator=gen)[:8]
+            w = -torch.log(torch.rand(8, generator=gen))  # normalized: Dirichlet(1) weights
+            probs[row, nxt] = w / w.sum()
+        self.probs = probs
+        self.cum = probs.cumsum(1)
+
+    def sample(self, n: int, length: int, gen: torch.Generator) -> torch.Tensor:
+        out = torch.randint(0, self.vocab, (n, length), generator=gen)
+        for t in range(2, length):
+            row = out[:, t - 2] * self.vocab + out[:, t - 1]
+            u = torch.rand(n, 1, generator=gen)
+            out[:, t] = torch.searchsorted(self.cum[row], u).squeeze(1).clamp(max=self.vocab - 1)
+        return out
+
+    def entropy(self) -> float:
+        """Entropy rate in nats per token (uniform pairs start each sequence; the chain's pair
+        distribution is estimated by long sampling, as the stationary law has no closed form)."""
+        seq = self.sample(64, 512, torch.Generator().manual_seed(123))
+        rows = seq[:, 1:-1] * self.vocab + seq[:, 2:]
+        p = self.probs
+        h = -(p * torch.log(p.clamp(min=1e-30))).sum(1)
+        return float(h[rows.reshape(-1)].mean())
+
+
+class TinyLM(torch.nn.Module):
+    """Decoder-only transformer: token and position embeddings, pre-norm blocks of causal
+    multi-head attention and a GELU MLP, a final norm and an untied output layer."""
+
+    def __init__(self, vocab: int, context: int, d_model: int, heads: int, layers: int, ff: int, **_: object) -> None:
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, d_model)
+        self.pos = torch.nn.Embedding(context, d_model)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(d_model, heads, ff, dropout=0.0, activation="gelu", batch_first=True,
+                                             norm_first=True) for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(d_model)
+        self.out = torch.nn.Linear(d_model, vocab)
+        self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(context), persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        h = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        mask = self.mask[:t, :t].to(h.dtype)
+        for block in self.blocks:
+            h = block(h, src_mask=mask, is_causal=True)
+        return self.out(self.norm(h))
+
+
+def lm_train(kind: str, steps: int, cfg: dict = LM_CONFIG, seed: int = 0) -> tuple[list[float], float]:
+    """Held-out loss (nats per token, fp32 evaluation) every ``eval_every`` steps of one mode, and
+    the optimizer's state bytes per parameter. Every mode sees the same initial weights and batches."""
+    source = MarkovSource(cfg["vocab"])
+    torch.manual_seed(seed)
+    model = TinyLM(**cfg)
+    dtype = torch.bfloat16 if kind.endswith("bf16-sr") else torch.float32
+    model = model.to(dtype)
+    params = list(model.parameters())
+    kw = dict(lr=cfg["lr"], weight_decay=cfg["weight_decay"])
+    opt = {"fp32": lambda: mfa.AdamW(params, **kw),
+           "8bit": lambda: mfa.AdamW8bit(params, **kw),
+           "4bit": lambda: mfa.AdamW4bit(params, **kw),
+           "4bit-bf16-sr": lambda: mfa.AdamW4bit(params, bf16_stochastic_round=True, **kw)}[kind]()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg["warmup"]))
+    draws = torch.Generator().manual_seed(1)
+    held = source.sample(cfg["batch"] * cfg["eval_batches"], cfg["context"] + 1, torch.Generator().manual_seed(2))
+    losses = []
+    for step in range(1, steps + 1):
+        seq = source.sample(cfg["batch"], cfg["context"] + 1, draws)
+        logits = model(seq[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, cfg["vocab"]), seq[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        if step % cfg["eval_every"]:
+            continue
+        with torch.no_grad():
+            logits = model(held[:, :-1]).float()
+            losses.append(torch.nn.functional.cross_entropy(logits.reshape(-1, cfg["vocab"]),
+                                                            held[:, 1:].reshape(-1)).item())
+    return losses, state_bytes_per_param(opt)
+
+
+def lm_main(steps: int, results: str) -> None:
+    cfg = LM_CONFIG
+    source = MarkovSource(cfg["vocab"])
+    n_params = sum(p.numel() for p in TinyLM(**cfg).parameters())
+    lines = [f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f} on "
+             f"{os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, CPU backend "
+             f"{mfa.backend_info()['cpu']['backend']}",
+             f"\n## Transformer LM ({n_params} params, config {cfg}), {steps} steps",
+             f"source entropy rate (best achievable loss): {source.entropy():.4f} nats/token; "
+             f"uniform guess: {math.log(cfg['vocab']):.4f}"]
+    curves, state = {}, {}
+    for kind in LM_MODES:
+        t0 = time.perf_counter()
+        curves[kind], state[kind] = lm_train(kind, steps)
+        print(f"{kind}: {curves[kind][-1]:.4f} after {steps} steps ({time.perf_counter() - t0:.0f} s)", flush=True)
+    final = {k: sum(v[-5:]) / 5 for k, v in curves.items()}
+    lines.append(f"final held-out loss (mean of the last 5 evaluations, every {cfg['eval_every']} steps), relative "
+                 f"to fp32 AdamW; state bytes per param:")
+    lines += [f"- {k}: {v:.4f} ({v / final['fp32'] - 1:+.2%}), excess over the entropy rate "
+              f"{v - source.entropy():.4f}; state {state[k]:.3f} B/param" for k, v in final.items()]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    with open(os.path.join(results, "lowbit_lm.txt"), "w") as f:
+        f.write(text)
+    with open(os.path.join(results, "lowbit_lm_curves.csv"), "w") as f:
+        f.write("step," + ",".join(curves) + "\n")
+        for i in range(len(curves["fp32"])):
+            f.write(f"{(i + 1) * cfg['eval_every']}," + ",".join(f"{curves[k][i]:.6g}" for k in curves) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=2000)
@@ -207,7 +345,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
     ap.add_argument("--no-train", action="store_true", help="speed only: no training curves, nothing written")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "lowbit"))
+    ap.add_argument("--lm", action="store_true", help="only the transformer LM run (--steps defaults to 600 there)")
     args = ap.parse_args()
+    if args.lm:
+        steps = args.steps if "--steps" in sys.argv else 600
+        return lm_main(steps, os.path.dirname(args.out))
     lines = [f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
              f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"]
     if args.no_train:

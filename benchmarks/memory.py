@@ -48,9 +48,13 @@ CONFIGS: dict[str, str] = {
     "ours-adamw8bit": "AdamW8bit, bf16 params",
     "ours-adamw8bit-sr": "AdamW8bit(bf16_stochastic_round=True), bf16",
     "ours-adamw8bit-sr-inbwd": "AdamW8bit(bf16_stochastic_round=True, step_in_backward=True), bf16",
+    "ours-adamw4bit": "AdamW4bit, bf16 params",
+    "ours-adamw4bit-sr": "AdamW4bit(bf16_stochastic_round=True), bf16",
+    "ours-adamw4bit-sr-inbwd": "AdamW4bit(bf16_stochastic_round=True, step_in_backward=True), bf16",
     "hooks-adamw8bit-sr": "AdamW8bit(bf16_stochastic_round=True), one per param, stepped from hand-written hooks",
     "bnb-adamw8bit": "bitsandbytes.optim.AdamW8bit, bf16 params",
     "torchao-adamw8bit": "torchao.optim.AdamW8bit, bf16 params",
+    "torchao-adamw4bit": "torchao.optim.AdamW4bit, bf16 params",
 }
 
 
@@ -60,6 +64,9 @@ def _optimizer(config: str, params: Any) -> Any:
     lr = 1e-4
     if config.startswith("torch-adamw"):
         return torch.optim.AdamW(params, lr=lr)
+    if config.startswith("ours-adamw4bit"):
+        return mfa.AdamW4bit(params, lr=lr, bf16_stochastic_round="-sr" in config,
+                             step_in_backward=config.endswith("-inbwd"))
     if config.startswith("ours-adamw8bit"):
         return mfa.AdamW8bit(params, lr=lr, bf16_stochastic_round="-sr" in config,
                              step_in_backward=config.endswith("-inbwd"))
@@ -74,6 +81,9 @@ def _optimizer(config: str, params: Any) -> Any:
     if config == "torchao-adamw8bit":
         from torchao.optim import AdamW8bit
         return AdamW8bit(params, lr=lr)
+    if config == "torchao-adamw4bit":
+        from torchao.optim import AdamW4bit
+        return AdamW4bit(params, lr=lr)
     raise ValueError(f"unknown configuration {config!r}; known: {', '.join(CONFIGS)}")
 
 

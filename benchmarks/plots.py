@@ -9,6 +9,8 @@ Figures (each sized for the docs' page width, about 800 px):
 - ``cpu_threads.png``: the CPU Adam step against torch's fused AdamW and DeepSpeed's CPU Adam by
   thread count, from ``cpu_xeon16_run8.txt`` (the benchmark's table rows);
 - ``lowbit_curves.png``: training loss of the low-bit modes, from ``lowbit_curves.csv``;
+- ``lowbit_lm_curves.png``: held-out loss of the transformer LM run (``lowbit.py --lm``), from
+  ``lowbit_lm_curves.csv``;
 - ``bytes_per_param.png``: memory per parameter of a training step by configuration, from
   ``memory_epyc_2core.txt`` (the summary table of benchmarks/memory.py; docs/memory.md's table).
 """
@@ -25,6 +27,7 @@ RESULTS = HERE / "results"
 OUT = HERE.parent / "docs" / "img"
 CPU_RUN = RESULTS / "cpu_xeon16_run8.txt"
 CURVES = RESULTS / "lowbit_curves.csv"
+LM_CURVES = RESULTS / "lowbit_lm_curves.csv"
 MEMORY = RESULTS / "memory_epyc_2core.txt"
 MODES = ("fp32", "8bit", "bf16-sr", "bf16", "bf16-kahan", "8bit-bf16-sr")
 LABELS = {"fp32": "fp32 AdamW", "8bit": "AdamW8bit (fp32 params)", "bf16-sr": "bf16 + stochastic rounding",
@@ -160,6 +163,30 @@ def plot_curves(out: Path) -> Path:
     return path
 
 
+def plot_lm(out: Path) -> Path:
+    plt = _plt()
+    with LM_CURVES.open(encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    steps = [int(r["step"]) for r in rows]
+    modes = [k for k in rows[0] if k != "step"]
+    labels = {"fp32": "fp32 AdamW", "8bit": "AdamW8bit", "4bit": "AdamW4bit",
+              "4bit-bf16-sr": "AdamW4bit, bf16 + stochastic rounding"}
+    fig, ax = plt.subplots(figsize=(WIDTH_IN, 4.6))
+    final = {k: sum(float(r[k]) for r in rows[-5:]) / 5 for k in modes}
+    for k in modes:
+        ax.plot(steps, [float(r[k]) for r in rows], lw=1.6,
+                label=f"{labels.get(k, k)}: {final[k]:.3f} ({final[k] / final['fp32'] - 1:+.1%})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out loss (nats per token)")
+    ax.set_title("156K-parameter transformer LM (benchmarks/lowbit.py --lm): final loss against fp32 AdamW")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    path = out / "lowbit_lm_curves.png"
+    fig.savefig(path, dpi=DPI)
+    return path
+
+
 def plot_memory(out: Path) -> Path:
     plt = _plt()
     rows = memory_rows()
@@ -194,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "curves":
         write_curves(args.steps)
     args.out.mkdir(parents=True, exist_ok=True)
-    for draw in (plot_cpu, plot_curves, plot_memory):
+    for draw in (plot_cpu, plot_curves, plot_lm, plot_memory):
         print(f"wrote {draw(args.out)}")
     return 0
 
