@@ -18,7 +18,7 @@ INIT = ROOT / "python" / "mps_fused_adam" / "__init__.py"
 EXTRA = [("DeepSpeed", ["mps_fused_adam.deepspeed.install", "mps_fused_adam.deepspeed.kernel_calls"]),
          ("step_in_backward", ["mps_fused_adam.optimizers.consumed_grads.grad_norm",
                                "mps_fused_adam.optimizers.in_backward.remove_hooks"]),
-         ("Checkpoints from other libraries", ["mps_fused_adam.bnb_compat"])]
+         ("Checkpoints from other libraries", ["mps_fused_adam.bnb_compat", "mps_fused_adam.torchao_compat"])]
 
 
 def public_names(init: Path = INIT) -> dict[str, str]:

@@ -30,7 +30,8 @@ class OptimInfo:
     - ``refused``: options of the torch class it mirrors that it refuses (not silently ignores);
     - ``kept``: constructor arguments it keeps as attributes (deep copy and pickling must keep them);
     - ``dtensor``: labelled constructor arguments the DTensor worker steps sharded (empty: DTensor
-      params refused); capabilities ``eight_bit``, ``stochastic_round``, ``step_in_backward``.
+      params refused); capabilities ``eight_bit``, ``four_bit``, ``stochastic_round``,
+      ``step_in_backward``.
     """
 
     name: str
@@ -43,6 +44,7 @@ class OptimInfo:
     example_kwargs: Optional[dict] = None
     rule_check: Optional[tuple[str, str]] = None
     eight_bit: bool = False
+    four_bit: bool = False
     stochastic_round: bool = False
     step_in_backward: bool = True
 
@@ -82,6 +84,10 @@ OPTIM_DB: dict[str, OptimInfo] = {info.name: info for info in [
               kept=dict(lr=1e-2, min_8bit_size=8, bf16_stochastic_round=True), eight_bit=True, stochastic_round=True),
     OptimInfo("Adam8bit", dict(lr=1e-2, min_8bit_size=16), "adam", "bitsandbytes.optim.Adam8bit", _TORCH_REFUSED,
               eight_bit=True, stochastic_round=True),
+    OptimInfo("AdamW4bit", dict(lr=1e-2, min_4bit_size=16), "adam", "torchao.optim.AdamW4bit", _TORCH_REFUSED,
+              kept=dict(lr=1e-2, min_4bit_size=8, bf16_stochastic_round=True), four_bit=True, stochastic_round=True),
+    OptimInfo("Adam4bit", dict(lr=1e-2, min_4bit_size=16), "adam", "torchao.optim.Adam4bit", _TORCH_REFUSED,
+              four_bit=True, stochastic_round=True),
 ]}
 
 

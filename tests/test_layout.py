@@ -102,7 +102,7 @@ def test_subpackages_name_the_architecture():
     top = {p.name for p in PACKAGE_DIR.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     assert {"optimizers", "numerics", "backends", "tools", "deepspeed"} <= top
     flat = sorted(p.stem for p in PACKAGE_DIR.glob("*.py"))
-    assert flat == ["__init__", "__main__", "_version", "bench", "bnb_compat"], flat
+    assert flat == ["__init__", "__main__", "_version", "bench", "bnb_compat", "torchao_compat"], flat
 
 
 def test_public_names_resolve_to_the_subpackages():
@@ -111,3 +111,4 @@ def test_public_names_resolve_to_the_subpackages():
         assert getattr(mfa, name) is not None
     assert mfa.AdamW.__module__ == f"{NAME}.optimizers.fused"
     assert mfa.AdamW8bit.__module__ == f"{NAME}.optimizers.eight_bit"
+    assert mfa.AdamW4bit.__module__ == f"{NAME}.optimizers.four_bit"

@@ -388,13 +388,13 @@ DEEPCOPY_CASES = {name: (lambda ps, info=info: info.cls(ps, **info.kept))
 
 
 def test_every_optimizer_class_is_deep_copied():
-    """Every public class (a new rule's too) has deep-copy arguments in optim_db, except Adam and
-    Adam8bit, which AdamW and AdamW8bit cover (same class body, another default); all are of the
-    one step path (optimizers/fused.py)."""
+    """Every public class (a new rule's too) has deep-copy arguments in optim_db, except Adam,
+    Adam8bit and Adam4bit, which AdamW, AdamW8bit and AdamW4bit cover (same class body, another
+    default); all are of the one step path (optimizers/fused.py)."""
     from mps_fused_adam.optimizers.fused import _FusedOptimizer
     names = public_optimizer_names()
     assert all(issubclass(getattr(mfa, n), _FusedOptimizer) for n in names)
-    assert sorted([*DEEPCOPY_CASES, "Adam", "Adam8bit"]) == names
+    assert sorted([*DEEPCOPY_CASES, "Adam", "Adam4bit", "Adam8bit"]) == names
 
 
 @pytest.mark.parametrize("make", DEEPCOPY_CASES.values(), ids=DEEPCOPY_CASES.keys())

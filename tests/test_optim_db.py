@@ -28,6 +28,7 @@ def test_entries_describe_their_classes():
         assert type(opt) is cls, name
         options = cls.__init__.__code__.co_varnames
         assert info.eight_bit == ("min_8bit_size" in opt.defaults), name
+        assert info.four_bit == ("min_4bit_size" in opt.defaults), name
         assert info.stochastic_round == ("bf16_stochastic_round" in options), name
         assert info.step_in_backward == ("step_in_backward" in options), name
         assert all(option in options for option in info.refused), name

@@ -9,7 +9,7 @@ from ._version import __version__
 
 # The submodule of each public name, imported on first use (PEP 562): `python -m mps_fused_adam
 # --help` runs this file first and must answer without importing torch (a second or more).
-_PUBLIC = {"Adagrad": "optimizers.fused", "Adam": "optimizers.fused", "Adam8bit": "optimizers.eight_bit", "AdamW": "optimizers.fused", "AdamW8bit": "optimizers.eight_bit", "CPUAdam": "optimizers.fused", "FusedAdam": "optimizers.fused",
+_PUBLIC = {"Adagrad": "optimizers.fused", "Adam": "optimizers.fused", "Adam4bit": "optimizers.four_bit", "Adam8bit": "optimizers.eight_bit", "AdamW": "optimizers.fused", "AdamW4bit": "optimizers.four_bit", "AdamW8bit": "optimizers.eight_bit", "CPUAdam": "optimizers.fused", "FusedAdam": "optimizers.fused",
            "FusedLion": "optimizers.fused", "Lion": "optimizers.fused", "backend_info": "backends"}
 
 __all__ = [*_PUBLIC, "__version__"]

@@ -12,8 +12,9 @@ The low-bit forms of Adam are rules of the same call, with ``sr_keys`` (one ``lo
 per param: bf16 params stored by stochastic rounding) and the plain ``AdamHyper``: ``"adam_sr"``
 (Adam's states, bf16 params) and ``"adam8bit"`` (``lowbit.ADAM8BIT``: states ``[exp_avg_codes,
 exp_avg_absmax, exp_avg_sq_codes, exp_avg_sq_absmax]``, codes of the param's shape and one fp32
-scale per block; ``sr_keys`` optional). Every backend runs both (the foreach tier through the
-Python reference). The Metal tiers' own per-tensor form of them (``AdamSRHyper``/
+scale per block; ``sr_keys`` optional) and ``"adam4bit"`` (``lowbit4.ADAM4BIT``: the same four
+states in the same order, the codes packed two a byte, 1-D, one scale per 128 elements). Every
+backend runs them (the foreach tier through the Python reference). The Metal tiers' own per-tensor form of them (``AdamSRHyper``/
 ``Adam8bitTensorHyper``, one key per call, ADAM8BIT's six buffers: ``mps.kernel_calls``) is
 taken too (:func:`lowbit_args`).
 """
@@ -76,12 +77,13 @@ def _reference_lowbit(rule: str, params: TensorList, grads: TensorList, states: 
                       sr_keys: Optional[Sequence[int]] = None) -> None:
     """The low-bit rules one tensor at a time through their Python reference (a correct, not a
     fast, path: the tier of devices without a kernel of ours)."""
-    from ..numerics.reference_lowbit import reference_adam8bit_, reference_adam_sr_
+    from ..numerics.reference_lowbit import reference_adam4bit_, reference_adam8bit_, reference_adam_sr_
     states, hp, sr_keys = lowbit_args(rule, states, hp, sr_keys, len(params))
     keys = sr_keys if sr_keys is not None else [None] * len(params)
-    if rule == "adam8bit":
+    if rule in ("adam8bit", "adam4bit"):
+        step = reference_adam8bit_ if rule == "adam8bit" else reference_adam4bit_
         for p, g, c1, a1, c2, a2, key in zip(params, grads, *states, keys):
-            reference_adam8bit_(p, g, c1, a1, c2, a2, hp, key)
+            step(p, g, c1, a1, c2, a2, hp, key)
     else:
         for p, g, m, v, key in zip(params, grads, *states, keys):
             reference_adam_sr_(p, g, m, v, hp, key)
@@ -166,12 +168,14 @@ class ForeachBackend:
 
     name = "foreach"
     RULES: dict[str, Callable[..., None]] = {"adam": _foreach_adam, "lion": _foreach_lion, "adagrad": _foreach_adagrad,
-                                             "adam_sr": _reference_lowbit, "adam8bit": _reference_lowbit}
+                                             "adam_sr": _reference_lowbit, "adam8bit": _reference_lowbit,
+                                             "adam4bit": _reference_lowbit}
 
     def unavailable(self, kernel: Kernel) -> Optional[str]:
-        """Every rule and ``adam8bit`` on the storage dtypes the kernels have: the foreach tier is the
-        last one, so it runs what any other does (the low-bit forms through their references)."""
-        return _standard_kernel(kernel, {*self.RULES, "adam8bit"}, "the foreach tier")
+        """Every rule, ``adam8bit`` and ``adam4bit`` on the storage dtypes the kernels have: the
+        foreach tier is the last one, so it runs what any other does (the low-bit forms through
+        their references)."""
+        return _standard_kernel(kernel, self.RULES, "the foreach tier")
 
     def prepare(self, kernels: Iterable[Kernel]) -> None:
         """Nothing to build; a kernel it does not run raises here, before anything is updated."""
@@ -186,7 +190,7 @@ class ForeachBackend:
         fn(params, grads, states, hp)
 
 
-_LOWBIT_RULES = ("adam_sr", "adam8bit")
+_LOWBIT_RULES = ("adam_sr", "adam8bit", "adam4bit")
 _LOWBIT_STATE = {"adam8bit": (torch.uint8,), "adam4bit": (torch.uint8,)}  # rules whose states are not fp32 or the param dtype
 
 
@@ -254,9 +258,9 @@ class CPUBackend:
     def unavailable(self, kernel: Kernel) -> Optional[str]:
         """The rules this build of ``_cpu`` has (``_cpu.rules()``), on fp32, fp16 and bf16 params with
         fp32 or same-dtype states; ``adam_sr`` as its Adam rule's bf16 stochastic-rounding store
-        (``sr_keys``), ``adam8bit`` through ``_cpu.adam8bit_step_many``, ``adam4bit`` (``lowbit4``'s
-        packed codes, states in ``adam8bit``'s order) through ``_cpu.adam4bit_step_many``."""
-        return _standard_kernel(kernel, self._rules | set(_LOWBIT_RULES), "the _cpu extension")
+        (``sr_keys``), ``adam8bit`` through ``_cpu.adam8bit_step_many``, ``adam4bit`` through
+        ``_cpu.adam4bit_step_many`` where this build has it."""
+        return _standard_kernel(kernel, self._rules | {"adam_sr", "adam8bit"}, "the _cpu extension")
 
     def prepare(self, kernels: Iterable[Kernel]) -> None:
         """Nothing to build (the kernels are compiled in); a kernel it does not run raises here."""
@@ -266,7 +270,7 @@ class CPUBackend:
         """``sr_keys``: for bf16 params, one ``lowbit.sr_key`` per param to store them by
         stochastic rounding (lowbit.py's contract); None rounds to nearest even. The low-bit
         rules as the module docstring says, in one call for all the tensors."""
-        if rule in _LOWBIT_RULES or rule == "adam4bit":
+        if rule in _LOWBIT_RULES:
             states, hp, sr_keys = lowbit_args(rule, states, hp, sr_keys, len(params))
             if rule == "adam8bit":
                 return self._adam8bit(params, grads, states, hp, sr_keys)
@@ -292,7 +296,7 @@ class CPUBackend:
             [int(sr_keys is not None)] * n, torch.get_num_threads())
 
     def _adam4bit(self, params, grads, states, hp, sr_keys) -> None:
-        """One ``adam4bit_step_many`` call (``_adam8bit``'s arguments; the maps are ``kernel_table4``)."""
+        """One ``adam4bit_step_many`` call (``adam8bit_step_many``'s arguments, the 4-bit maps' tables)."""
         from ..numerics import lowbit4
         n = len(params)
         codes1, absmax1, codes2, absmax2 = states
@@ -300,7 +304,7 @@ class CPUBackend:
             addresses(params), addresses(grads), addresses(codes1), addresses(absmax1), addresses(codes2),
             addresses(absmax2), numels(params), [_DTYPE_CODES[params[0].dtype]] * n,
             lowbit4.kernel_table4(True).data_ptr(), lowbit4.kernel_table4(False).data_ptr(),
-            [packed_scalars("adam8bit", hp)] * n, [0] * n if sr_keys is None else list(sr_keys),
+            [packed_scalars("adam4bit", hp)] * n, [0] * n if sr_keys is None else list(sr_keys),
             [int(sr_keys is not None)] * n, torch.get_num_threads())
 
 
@@ -315,8 +319,8 @@ def packed_scalars(rule: str, hp: Any) -> bytes:
     sign of every zero field besides ``hp`` (whose equality takes -0.0 for 0.0, which the kernels
     may not); an entry counts only for the very rule object that packed it, so a rule replaced in
     ``contract.RULES`` (as the self-check's tests do) is packed afresh. Rule ``"adam8bit"``: the
-    8-bit kernels' scalars of ``AdamHyper`` ``hp`` (``lowbit.pack_adam8bit``)."""
-    spec = _ADAM8BIT_PACKER if rule == "adam8bit" else rule_spec(rule)
+    8-bit kernels' scalars of ``AdamHyper`` ``hp`` (``lowbit.pack_adam8bit``), and so ``"adam4bit"``'s."""
+    spec = _ADAM8BIT_PACKER if rule in ("adam8bit", "adam4bit") else rule_spec(rule)
     try:
         key = (rule, hp, tuple(math.copysign(1.0, v) for v in vars(hp).values() if v == 0))
         packer, packed = _PACKED[key]

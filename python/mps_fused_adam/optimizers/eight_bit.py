@@ -7,15 +7,14 @@ and load checks as every class, bitsandbytes' keywords and group keys.
 """
 from __future__ import annotations
 
-import numbers
 from typing import Any, Iterable, Optional
 
 import torch
 
 from . import state_formats, validate
-from .fused import _AdamBase
+from .low_bit import LowBitAdam, check_torch_options, state_bytes_per_param  # noqa: F401  (re-exported)
 from ..bnb_compat import BNB_WRAP_KEY
-from ..numerics import lowbit, reference_lowbit
+from ..numerics import lowbit
 from ..numerics.lowbit import MIN_8BIT_SIZE
 
 _Params = Iterable[Any]
@@ -29,23 +28,17 @@ class _Eight(state_formats.EightBit):
             raise ValueError(f"{validate.describe(p, name)}: the state dict is in bitsandbytes' layout (keys "
                              f"{sorted(map(str, st))}); convert it first: "
                              f"opt.load_state_dict(mps_fused_adam.bnb_compat.from_bitsandbytes(state_dict))")
+        if state_formats.Blockwise4bit.names[0] in st:
+            raise ValueError(f"{validate.describe(p, name)}: the state dict holds 4-bit states (keys "
+                             f"{sorted(map(str, st))}); load it into AdamW4bit/Adam4bit, which saved it")
         super().check_saved(p, st, name)
 
 
-class _Adam8bitBase(_AdamBase):
+class _Adam8bitBase(LowBitAdam):
     """Adam with the 8-bit policy. Group keys: lr, betas, eps, weight_decay, adam_w_mode,
     bias_correction, maximize, min_8bit_size, bf16_stochastic_round."""
 
     _policy = _Eight()
-
-    def _check_group(self, group: dict[str, Any], where: str) -> None:
-        super()._check_group(group, where)
-        self._check_added_group(group, where or type(self).__name__)
-
-    def _check_added_group(self, group: dict[str, Any], where: str) -> None:
-        size = group.get("min_8bit_size")
-        if not isinstance(size, numbers.Integral) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"{where}: min_8bit_size must be a positive element count (an int), got {size!r}")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of ours, with tensor or int steps (``bnb_compat.from_bitsandbytes``
@@ -59,26 +52,6 @@ class _Adam8bitBase(_AdamBase):
         pre- and post-hooks run as torch runs them.
         """
         super().load_state_dict(state_dict)
-
-    def _retake_states(self, state_dict: dict[str, Any]) -> None:
-        super()._retake_states(state_dict)
-        for group in self.param_groups:
-            for p in group["params"]:
-                st = self.state.get(p)
-                if st and "exp_avg" in st and p.numel() >= int(group["min_8bit_size"]):
-                    st.update(_quantized_moments(st.pop("exp_avg"), st.pop("exp_avg_sq"), p.device))
-
-
-def _quantized_moments(m: torch.Tensor, v: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
-    """fp32 Adam moments as the 8-bit format's codes and block scales (the contract's quantization,
-    ``reference_lowbit.quantize``: what a step stores), computed on the CPU."""
-    out = {}
-    for name, t, signed in (("exp_avg", m, True), ("exp_avg_sq", v, False)):
-        t = t.detach().to("cpu", torch.float32).contiguous()
-        scale = reference_lowbit.block_absmax(t)
-        out[f"{name}_codes"] = reference_lowbit.quantize(t, scale, signed).to(device)
-        out[f"{name}_absmax"] = scale.contiguous().to(device)
-    return out
 
 
 def _check_bnb_options(cls: str, optim_bits: int, args: Any, is_paged: bool, percentile_clipping: int,
@@ -98,12 +71,6 @@ def _check_bnb_options(cls: str, optim_bits: int, args: Any, is_paged: bool, per
     if not block_wise:
         raise ValueError(f"{cls}: block_wise=False is not supported: states are always quantized in blocks of "
                          f"{lowbit.BLOCK}")
-
-
-def _check_torch_options(cls: str, amsgrad: bool, capturable: bool, differentiable: bool) -> None:
-    for option, value in (("amsgrad", amsgrad), ("capturable", capturable), ("differentiable", differentiable)):
-        if value:
-            raise ValueError(f"{cls} does not support {option}={value!r}")
 
 
 class Adam8bit(_Adam8bitBase):
@@ -128,7 +95,7 @@ class Adam8bit(_Adam8bitBase):
                  differentiable: bool = False, fused: Optional[bool] = None,
                  decoupled_weight_decay: Optional[bool] = None, percentile_clipping: int = 100,
                  block_wise: bool = True, bf16_stochastic_round: bool = False, step_in_backward: bool = False) -> None:
-        _check_torch_options(self._name, amsgrad, capturable, differentiable)
+        check_torch_options(self._name, amsgrad, capturable, differentiable)
         _check_bnb_options(self._name, optim_bits, args, is_paged, percentile_clipping, block_wise)
         decoupled = self._decoupled_default if decoupled_weight_decay is None else bool(decoupled_weight_decay)
         # min_8bit_size as given: the constructor's check is add_param_group's (no int() that takes '4096').
@@ -157,12 +124,3 @@ class AdamW8bit(Adam8bit):
                          decoupled_weight_decay=True, percentile_clipping=percentile_clipping,
                          block_wise=block_wise, bf16_stochastic_round=bf16_stochastic_round,
                          step_in_backward=step_in_backward)
-
-
-def state_bytes_per_param(opt: torch.optim.Optimizer) -> float:
-    """Bytes of optimizer-state tensors per parameter element over every parameter with state."""
-    total = elems = 0
-    for p, st in opt.state.items():
-        elems += p.numel()
-        total += sum(t.numel() * t.element_size() for t in st.values() if isinstance(t, torch.Tensor))
-    return total / elems if elems else 0.0

@@ -1,0 +1,55 @@
+"""What the low-bit Adam classes share (``eight_bit.py``, ``four_bit.py``): the Adam rule of the one
+optimizer base with a block-wise state format policy (``state_formats.EightBit``/``FourBit``), the
+group's minimum quantized size, the load of fp32 (``torch.optim``) moments into codes, the torch
+options they refuse, and the state-size measure."""
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import torch
+
+from .fused import _AdamBase
+
+
+class LowBitAdam(_AdamBase):
+    """Adam with a low-bit policy (``_policy``, whose ``size_key`` names the group key of the
+    smallest quantized param). Group keys: lr, betas, eps, weight_decay, adam_w_mode,
+    bias_correction, maximize, the size key, bf16_stochastic_round."""
+
+    _policy: Any = None
+
+    def _check_group(self, group: dict[str, Any], where: str) -> None:
+        super()._check_group(group, where)
+        self._check_added_group(group, where or type(self).__name__)
+
+    def _check_added_group(self, group: dict[str, Any], where: str) -> None:
+        key = self._policy.size_key
+        size = group.get(key)
+        if not isinstance(size, numbers.Integral) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"{where}: {key} must be a positive element count (an int), got {size!r}")
+
+    def _retake_states(self, state_dict: dict[str, Any]) -> None:
+        super()._retake_states(state_dict)
+        fmt, key = self._policy.quantized, self._policy.size_key
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state.get(p)
+                if st and "exp_avg" in st and p.numel() >= int(group[key]):
+                    st.update(fmt.quantized(st.pop("exp_avg"), st.pop("exp_avg_sq"), p.device))
+
+
+def check_torch_options(cls: str, amsgrad: bool, capturable: bool, differentiable: bool) -> None:
+    """torch.optim.Adam's options that change the algorithm, refused by name."""
+    for option, value in (("amsgrad", amsgrad), ("capturable", capturable), ("differentiable", differentiable)):
+        if value:
+            raise ValueError(f"{cls} does not support {option}={value!r}")
+
+
+def state_bytes_per_param(opt: torch.optim.Optimizer) -> float:
+    """Bytes of optimizer-state tensors per parameter element over every parameter with state."""
+    total = elems = 0
+    for p, st in opt.state.items():
+        elems += p.numel()
+        total += sum(t.numel() * t.element_size() for t in st.values() if isinstance(t, torch.Tensor))
+    return total / elems if elems else 0.0
