@@ -271,7 +271,7 @@ inline void quantize(uint8_t* codes, int64_t i, const float* x, F inv, const Qua
 // bytes' high and low nibbles (dequant_pair); the scratch then holds each pair's even vector
 // before its odd one, which the absmax does not see and the second pass reads back alike.
 template <class PS>
-void adam4bit_blocks(const Q4Job& job, int64_t b0, int64_t b1) {
+__attribute__((flatten)) void adam4bit_blocks(const Q4Job& job, int64_t b0, int64_t b1) {
   using P = typename ParamStorage<PS>::T;
 #if defined(MFA_ISA_AVX512) || defined(MFA_ISA_AVX2)
   constexpr bool kPairs = std::is_same<P, bf16>::value;
@@ -316,25 +316,28 @@ void adam4bit_blocks(const Q4Job& job, int64_t b0, int64_t b1) {
       if (pairs) {
         // 2W elements from 2W params, grads and W code bytes of each moment (at element jj of pp, gp
         // and byte jj / 2 of c1, c2); writes the param and the scratch at j.
-        auto update_pair = [&](P* pp, const P* gp, const uint8_t* c1, const uint8_t* c2, int64_t index) MFA_Q4_HOT {
-          F p[2], g[2], m[2], v[2];
-          Vec::load_pair(pp, p[0], p[1]);
-          Vec::load_pair(gp, g[0], g[1]);
-          dequant_pair(c1, dq1, a1, m[0], m[1]);
-          dequant_pair(c2, dq2, a2, v[0], v[1]);
-          for (int h = 0; h < 2; ++h) adam.step(p[h], g[h], m[h], v[h], clamp);
-          ParamStorage<PS>::store_pair(pp, p[0], p[1], sr_key, index);
-          for (int h = 0; h < 2; ++h) {
-            Vec::store(mb + j + h * W, m[h]);
-            Vec::store(vb + j + h * W, v[h]);
-          }
+        // Named vectors, not arrays: GCC kept arrays of them on the stack.
+        auto update_pair = [&](P* pp, const P* gp, const uint8_t* c1, const uint8_t* c2, int64_t index, F& m0, F& m1,
+                               F& v0, F& v1) MFA_Q4_HOT {
+          F p0, p1, g0, g1;
+          Vec::load_pair(pp, p0, p1);
+          Vec::load_pair(gp, g0, g1);
+          dequant_pair(c1, dq1, a1, m0, m1);
+          dequant_pair(c2, dq2, a2, v0, v1);
+          adam.step(p0, g0, m0, v0, clamp);
+          adam.step(p1, g1, m1, v1, clamp);
+          ParamStorage<PS>::store_pair(pp, p0, p1, sr_key, index);
+          Vec::store(mb + j, m0);
+          Vec::store(mb + j + W, m1);
+          Vec::store(vb + j, v0);
+          Vec::store(vb + j + W, v1);
         };
         for (; j + 2 * W <= len; j += 2 * W) {
-          update_pair(param + lo + j, grad + lo + j, codes1 + (lo + j) / 2, codes2 + (lo + j) / 2, lo + j);
-          for (int h = 0; h < 2; ++h) {
-            mx1 = q8::acc_max(mx1, Vec::load(mb + j + h * W));
-            mx2 = q8::acc_max(mx2, Vec::load(vb + j + h * W));
-          }
+          F m0, m1, v0, v1;
+          update_pair(param + lo + j, grad + lo + j, codes1 + (lo + j) / 2, codes2 + (lo + j) / 2, lo + j, m0, m1,
+                      v0, v1);
+          mx1 = q8::acc_max(q8::acc_max(mx1, m0), m1);
+          mx2 = q8::acc_max(q8::acc_max(mx2, v0), v1);
         }
         if (const int r = len - j; r > 0) {
           // A short last pair on zero-padded copies; its pad elements (even lane k is element 2k,
@@ -349,7 +352,8 @@ void adam4bit_blocks(const Q4Job& job, int64_t b0, int64_t b1) {
             cb1[k] = codes1[(lo + j) / 2 + k];
             cb2[k] = codes2[(lo + j) / 2 + k];
           }
-          update_pair(pb, gb, cb1, cb2, lo + j);
+          F m0, m1, v0, v1;
+          update_pair(pb, gb, cb1, cb2, lo + j, m0, m1, v0, v1);
           for (int k = 0; k < r; ++k) param[lo + j + k] = pb[k];
           for (int k = 0; k < W; ++k) {
             if (2 * k >= r) mb[j + k] = vb[j + k] = 0.0f;
