@@ -5,7 +5,9 @@ One flat tensor per param dtype (fp32, bf16), shared by every contender of that 
 through the CPU backend as the optimizers call it: the 4-bit step (``adam4bit``; bf16 also with
 stochastic rounding), its memory floor (``_cpu.adam4bit_step(..., floor=True)``: the step's own
 blocks, threads and bytes with trivial math that keeps every value, on the very same tensors),
-and for scale the 8-bit step and its floor and Adam with bf16 states (bf16 params). Contenders
+and for scale the 8-bit step and its floor and Adam with bf16 states (bf16 params: the Adam element
+math with no quantization, so its speed against the 4-bit bf16 floor bounds what any 4-bit kernel
+with that math can reach). Contenders
 interleaved in a fresh order each round; medians; the speed against the floor is the median of
 the round-by-round ratios (floor time / step time), with the middle half of the rounds.
 """
@@ -83,6 +85,9 @@ def measure(size: int, threads: int, repeats: int) -> list[str]:
             floor = f"{bits} floor {'bf16' if 'bf16' in name else 'fp32'}"
             mid, lo, hi = ratio_spread(rounds[floor], ts)
             vs = f"{mid:.2f} ({lo:.2f}-{hi:.2f})"
+        elif name.startswith("AdamW"):  # the Adam math alone, no quantization: the 4-bit step's ceiling
+            mid, lo, hi = ratio_spread(rounds["4-bit floor bf16"], ts)
+            vs = f"{mid:.2f} ({lo:.2f}-{hi:.2f}) of the 4-bit bf16 floor"
         rows.append(f"| {name} | {t / size * 1e9:.3f} | {vs} |")
     return rows
 
