@@ -258,8 +258,9 @@ class CPUBackend:
     def unavailable(self, kernel: Kernel) -> Optional[str]:
         """The rules this build of ``_cpu`` has (``_cpu.rules()``), on fp32, fp16 and bf16 params with
         fp32 or same-dtype states; ``adam_sr`` as its Adam rule's bf16 stochastic-rounding store
-        (``sr_keys``), ``adam8bit`` through ``_cpu.adam8bit_step_many``, ``adam4bit`` through
-        ``_cpu.adam4bit_step_many`` where this build has it."""
+        (``sr_keys``), ``adam8bit`` through ``_cpu.adam8bit_step_many``, ``adam4bit`` (``lowbit4``'s
+        packed codes, states in ``adam8bit``'s order) through ``_cpu.adam4bit_step_many`` where this
+        build has it."""
         return _standard_kernel(kernel, self._rules | {"adam_sr", "adam8bit"}, "the _cpu extension")
 
     def prepare(self, kernels: Iterable[Kernel]) -> None:
