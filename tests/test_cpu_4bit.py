@@ -7,6 +7,7 @@ threads, for sizes around the block and byte boundaries."""
 from __future__ import annotations
 
 import platform
+import re
 import struct
 import subprocess
 from pathlib import Path
@@ -158,6 +159,43 @@ def test_rejects_wrong_tables_before_writing_anything():
     assert torch.equal(p, before[0]) and all(torch.equal(st[k], before[1][k]) for k in st)
 
 
+# ---- the nearest-code search alone ------------------------------------------------------------
+
+def near_midpoints4(signed: bool) -> torch.Tensor:
+    """Every midpoint and code value of a map +-4 ulps with both signs, the special classes, and
+    values over nine decades (an odd count: the pad nibble too)."""
+    from q8_cases import _from_bits
+    table = lowbit4.kernel_table4(signed)
+    both = torch.cat([table[:31], -table[:31]])
+    cols, up, down = [both], both, both
+    for _ in range(4):
+        up = torch.nextafter(up, torch.full_like(up, float("inf")))
+        down = torch.nextafter(down, torch.full_like(down, float("-inf")))
+        cols += [up, down]
+    specials = _from_bits([0x00000000, 0x80000000, 0x00000001, 0x80000001, 0x007FFFFF, 0x00800000, 0x7F7FFFFF,
+                           0xFF7FFFFF, 0x3F800001, 0xBF800001, 0x40000000, 0x7F800000, 0xFF800000, 0x7FC00000,
+                           0xFFC00000, 0x7F800001, 0xFFFFFFFF])
+    gen = torch.Generator().manual_seed(4)
+    spread = (torch.rand(5001, generator=gen) * 10.0 ** (-9 * torch.rand(5001, generator=gen))
+              * torch.where(torch.rand(5001, generator=gen) < 0.5, -1.0, 1.0))
+    x = torch.cat(cols + [specials, spread]).contiguous()
+    return x if x.numel() % 2 else torch.cat([x, x[:1]])
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_search_matches_reference_near_every_midpoint(simd, signed):
+    """The kernel's nearest code (binary search on the signed map, arithmetic on the linear one)
+    against the reference's (searchsorted: midpoints strictly below, ties low, NaN to 0), packed."""
+    from mps_fused_adam.numerics.reference_lowbit import quantize_with
+    x = near_midpoints4(signed)
+    want = lowbit4.pack_codes4(quantize_with(x, torch.ones(lowbit4.num_blocks4(x.numel())),
+                                             lowbit4.midpoints4(signed), lowbit4.BLOCK4))
+    got = torch.full((lowbit4.packed_size(x.numel()),), 0xFF, dtype=torch.uint8)
+    _cpu.q4_quantize(x.data_ptr(), x.numel(), lowbit4.kernel_table4(signed).data_ptr(), signed, got.data_ptr())
+    bad = torch.nonzero(got != want).flatten()[:5].tolist()
+    assert not bad, [(x[2 * i].item(), x[2 * i + 1].item(), hex(got[i]), hex(want[i])) for i in bad]
+
+
 # ---- many tensors in one call ------------------------------------------------------------------
 
 def _batch_args(tensors):
@@ -286,6 +324,7 @@ FLAGS = ["-std=c++17", "-O2", "-ffp-contract=off", "-fno-math-errno", "-fno-fast
 
 def _assert_harness(stdout: str, isa: str, cases: int) -> None:
     assert f"{isa} and scalar vs reference: {cases} cases, 0 mismatches" in stdout, stdout
+    assert re.search(r"^search: [1-9]\d+ values, 0 mismatches$", stdout, re.M), stdout
 
 
 def test_neon_matches_reference_under_qemu(tmp_path):
@@ -321,3 +360,19 @@ def test_x86_build_matches_reference_natively(tmp_path, isa):
     run = subprocess.run([str(exe), cases], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     _assert_harness(run.stdout, isa, count)
+
+
+@pytest.mark.parametrize("sr", [False, True], ids=["rne", "sr"])
+def test_bf16_pair_path_changes_speed_only(simd, sr):
+    """bf16 params on the x86 paths go through the kernel as even/odd vector pairs (their codes are
+    the bytes' two nibbles); turned off, the same steps run one vector at a time: both match the
+    reference, for whole blocks, a short last block and an odd length."""
+    assert _cpu.bf16_pairs()  # the default
+    try:
+        for on in (False, True):
+            _cpu.set_bf16_pairs(on)
+            for n in (128 * 3, 128 * 2 + 77, 128 + 31, 45):
+                ours, ref = run_both(n, torch.bfloat16, sr=sr)
+                assert_same(ours, ref)
+    finally:
+        _cpu.set_bf16_pairs(True)

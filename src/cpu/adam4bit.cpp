@@ -31,7 +31,7 @@ T* ptr(uintptr_t a) {
 
 // A lowbit4.kernel_table4 (16 code values ascending, 15 midpoints, a 0 pad), checked: the binary
 // search needs midpoints strictly ascending, each between its two codes; the first moment's map is
-// signed with 0 at code 7, the second's positive; both end at 1.
+// signed with 0 at code 7, the second's positive with the linear map's midpoints; both end at 1.
 void read_table(uintptr_t address, bool is_signed, float* out) {
   const char* which = is_signed ? "map1 (lowbit4.kernel_table4(True))" : "map2 (lowbit4.kernel_table4(False))";
   if (address == 0) throw std::invalid_argument(std::string("adam4bit: ") + which + ": null address");
@@ -50,8 +50,11 @@ void read_table(uintptr_t address, bool is_signed, float* out) {
   require(v[15] == 1.0f, "last code value not 1");
   if (is_signed)
     require(v[0] < 0.0f && v[7] == 0.0f, "not a signed map (0.0 at code 7)");
-  else
+  else {
     require(v[0] > 0.0f, "not the zero-free unsigned map");
+    // The kernels count the midpoints below x by arithmetic on this structure (linear_code_of).
+    for (int k = 0; k < 15; ++k) require(mid[k] == (float(k) + 1.5f) / 16.0f, "midpoints not (k + 3/2) / 16");
+  }
 }
 
 // Appends one tensor's job (its arguments already checked).
@@ -122,6 +125,19 @@ void adam4bit_step_many(const std::vector<uintptr_t>& params, const std::vector<
 }  // namespace
 
 void register_adam4bit(nb::module_& m) {
+  m.def(
+      "q4_quantize",
+      [](uintptr_t x, int64_t n, uintptr_t map, bool is_signed, uintptr_t out) {
+        if (n < 0) throw std::invalid_argument("q4_quantize: n must be >= 0");
+        if (n && (x == 0 || out == 0)) throw std::invalid_argument("q4_quantize: null address");
+        float table[kQ4Table];
+        read_table(map, is_signed, table);
+        active_isa().q4_quantize(ptr<const float>(x), n, table, ptr<uint8_t>(out));
+      },
+      nb::arg("x"), nb::arg("n"), nb::arg("map"), nb::arg("signed"), nb::arg("out"),
+      "The 4-bit step's nearest-code search alone on the active SIMD path (for tests): the packed\n"
+      "codes of n fp32 values at x on map (lowbit4.kernel_table4(signed), checked) into\n"
+      "ceil(n / 2) bytes at out.");
   m.def("adam4bit_step_many", &adam4bit_step_many, nb::arg("params"), nb::arg("grads"), nb::arg("codes1"),
         nb::arg("absmax1"), nb::arg("codes2"), nb::arg("absmax2"), nb::arg("numels"), nb::arg("param_dtypes"),
         nb::arg("map1"), nb::arg("map2"), nb::arg("scalars"), nb::arg("sr_keys"), nb::arg("sr"),

@@ -1,6 +1,7 @@
 // 8-bit block-wise Adam (contract: python/mps_fused_adam/numerics/lowbit.py, reference_lowbit.py) on the
 // CPU, optionally with bf16 stochastic rounding of the parameter: the driver. The block math is
-// adam8bit_kernel.h, built per SIMD path like the span loop and chosen with it (dispatch.h).
+// adam8bit_kernel.h, built per SIMD path like the span loop and chosen with it (dispatch.h);
+// batching, threads and the argument checks are block_batch.h's, shared with the 4-bit driver.
 //
 // The block (256 elements, one fp32 scale per moment) is the unit of work: a thread owns whole
 // blocks, so the new scale of a block is known before any of its codes is written.
@@ -17,9 +18,9 @@
 #include <vector>
 
 #include "adam_types.h"
+#include "block_batch.h"
 #include "dispatch.h"
 #include "q8_tables.h"
-#include "thread_pool.h"
 
 namespace mfa {
 namespace {
@@ -37,45 +38,14 @@ const Q8Tables& tables_for(const float* kernel_table) {
   return *cache.back();
 }
 
-// A batch of tensors as one range of blocks: thread t takes blocks [total * t / T, total * (t + 1) / T)
-// of the concatenation, so small tensors share the threads instead of running one after another.
-struct Batch {
-  std::vector<Q8Job> jobs;
-  std::vector<Q8Fn> fns;
-  std::vector<int64_t> starts;  // starts[i]: index of job i's first block in the concatenation
-  int64_t total = 0;
-  int threads = 1;
-};
-
-void run_range(void* ctx, int t) {
-  const Batch& b = *static_cast<const Batch*>(ctx);
-  const int64_t lo = b.total * t / b.threads, hi = b.total * (t + 1) / b.threads;
-  size_t i = std::upper_bound(b.starts.begin(), b.starts.end(), lo) - b.starts.begin() - 1;
-  for (; i < b.jobs.size() && b.starts[i] < hi; ++i) {
-    const int64_t blocks = (b.jobs[i].n + kQ8Block - 1) / kQ8Block;
-    const int64_t b0 = std::max<int64_t>(lo - b.starts[i], 0), b1 = std::min<int64_t>(hi - b.starts[i], blocks);
-    if (b0 < b1) b.fns[i](b.jobs[i], b0, b1);
-  }
-}
-
 template <class T>
 T* ptr(uintptr_t a) {
   return reinterpret_cast<T*>(a);
 }
 
-// Throws std::invalid_argument, its message starting with `which`, for arguments no job can take.
-void check_args(const std::string& which, int64_t n, int param_dtype, const nb::bytes& scalars) {
-  if (n < 0) throw std::invalid_argument(which + "negative element count");
-  if (scalars.size() != sizeof(Adam8bitScalars))
-    throw std::invalid_argument(which + "adam8bit takes a " + std::to_string(sizeof(Adam8bitScalars)) +
-                                "-byte scalar struct; got " + std::to_string(scalars.size()));
-  if (param_dtype < 0 || param_dtype > 2)
-    throw std::invalid_argument(which + "param dtype code must be 0 (float32), 1 (float16) or 2 (bfloat16)");
-}
-
 // Appends one tensor's job (its arguments already checked).
-void add_job(Batch& b, uintptr_t param, uintptr_t grad, uintptr_t codes1, uintptr_t absmax1, uintptr_t codes2,
-             uintptr_t absmax2, int64_t n, int param_dtype, const Q8Map& map1, const Q8Map& map2,
+void add_job(BlockBatch<Q8Job>& b, uintptr_t param, uintptr_t grad, uintptr_t codes1, uintptr_t absmax1,
+             uintptr_t codes2, uintptr_t absmax2, int64_t n, int param_dtype, const Q8Map& map1, const Q8Map& map2,
              const nb::bytes& scalars, uint32_t sr_key, bool sr, bool floor) {
   if (n == 0) return;
   if (!map1.is_signed || map2.is_signed)
@@ -92,21 +62,8 @@ void add_job(Batch& b, uintptr_t param, uintptr_t grad, uintptr_t codes1, uintpt
   q.n = n;
   std::memcpy(&q.s, scalars.c_str(), sizeof q.s);
   q.sr_key = sr_key;
-  const Q8Param kind = param_dtype == 0 ? Q8Param::F32
-                       : param_dtype == 1 ? Q8Param::F16
-                       : sr ? Q8Param::BF16SR : Q8Param::BF16;
-  b.starts.push_back(b.total);
-  b.total += (n + kQ8Block - 1) / kQ8Block;
-  b.jobs.push_back(q);
-  b.fns.push_back((floor ? active_isa().adam8bit_floor : active_isa().adam8bit)[int(kind)]);
-}
-
-void run_batch(Batch& b, int num_threads) {
-  if (b.total == 0) return;
-  // Below 128 blocks (32K elements) per thread, waking another costs more than it saves.
-  b.threads = int(std::max<int64_t>(1, std::min<int64_t>(std::max(num_threads, 1), b.total / 128)));
-  nb::gil_scoped_release release;
-  ThreadPool::instance().run(b.threads, run_range, &b);
+  const Q8Param kind = lowbit_param(param_dtype, sr);
+  b.add(q, (floor ? active_isa().adam8bit_floor : active_isa().adam8bit)[int(kind)]);
 }
 
 Q8Map map_at(uintptr_t table) {
@@ -118,12 +75,12 @@ Q8Map map_at(uintptr_t table) {
 void adam8bit_step(uintptr_t param, uintptr_t grad, uintptr_t codes1, uintptr_t absmax1, uintptr_t codes2,
                    uintptr_t absmax2, int64_t n, int param_dtype, uintptr_t map1, uintptr_t map2,
                    nb::bytes scalars, uint32_t sr_key, bool sr, int num_threads, bool floor) {
-  check_args("", n, param_dtype, scalars);
+  check_lowbit_args("", "adam8bit", n, param_dtype, scalars);
   if (n == 0) return;
-  Batch b;
+  BlockBatch<Q8Job> b(kQ8Block);
   add_job(b, param, grad, codes1, absmax1, codes2, absmax2, n, param_dtype, map_at(map1), map_at(map2), scalars,
           sr_key, sr, floor);
-  run_batch(b, num_threads);
+  b.run(num_threads);
 }
 
 // One call for many tensors: each argument a list with one entry per tensor (scalars may repeat
@@ -142,17 +99,17 @@ void adam8bit_step_many(const std::vector<uintptr_t>& params, const std::vector<
                                   "); got one of " + std::to_string(len));
   int64_t total = 0;
   for (size_t i = 0; i < count; ++i) {
-    check_args("tensor " + std::to_string(i) + ": ", numels[i], param_dtypes[i], scalars[i]);
+    check_lowbit_args("tensor " + std::to_string(i) + ": ", "adam8bit", numels[i], param_dtypes[i], scalars[i]);
     total += numels[i];
   }
   if (total == 0) return;
   const Q8Map m1 = map_at(map1), m2 = map_at(map2);
-  Batch b;
+  BlockBatch<Q8Job> b(kQ8Block);
   b.jobs.reserve(count);
   for (size_t i = 0; i < count; ++i)
     add_job(b, params[i], grads[i], codes1[i], absmax1[i], codes2[i], absmax2[i], numels[i], param_dtypes[i], m1, m2,
             scalars[i], sr_keys[i], sr[i] != 0, false);
-  run_batch(b, num_threads);
+  b.run(num_threads);
 }
 
 }  // namespace

@@ -166,6 +166,8 @@ struct Q4Job {
   alignas(64) float map2[kQ4Table];  // unsigned, zero-free (second)
 };
 using Q4Fn = void (*)(const Q4Job&, int64_t b0, int64_t b1);  // blocks [b0, b1) of one job
+// Packed codes of x[0..n) on one kernel_table4 map (the tests' window onto the 4-bit search).
+using Q4QuantizeFn = void (*)(const float* x, int64_t n, const float* table, uint8_t* out);
 
 struct IsaTable {
   const char* name;
@@ -175,6 +177,7 @@ struct IsaTable {
   Q8QuantizeFn q8_quantize;  // the 8-bit kernel's nearest-code search alone (tests)
   Q4Fn adam4bit[static_cast<int>(Q8Param::Count)];  // per param storage, as adam8bit
   Q4Fn adam4bit_floor[static_cast<int>(Q8Param::Count)];  // the benchmark's memory floor
+  Q4QuantizeFn q4_quantize;  // the 4-bit kernel's nearest-code search alone (tests)
 };
 
 }  // namespace mfa

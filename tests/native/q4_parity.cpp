@@ -2,8 +2,10 @@
 // of the scalar build against the Python reference's own outputs, bit for bit: test_cpu_4bit.py
 // writes the maps (lowbit4.kernel_table4), then per case the inputs of one step and
 // reference_adam4bit_'s result; the scalar build runs each case's blocks in one call, the SIMD
-// build in two (as two threads would split them). Built with the extension's flags: NEON runs
+// build in two (as two threads would split them); then the nearest-code search alone near every
+// midpoint of both maps against a plain count. Built with the extension's flags: NEON runs
 // under qemu-aarch64 on x86-64 machines, the x86 builds natively where the CPU has them.
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -141,5 +143,43 @@ int main(int argc, char** argv) {
     ++cases;
   }
   std::printf("%s and scalar vs reference: %d cases, %d mismatches\n", b.name, cases, bad);
-  return bad || cases == 0 ? 1 : 0;
+  // The search alone on both maps against a plain count of the midpoints below x: every midpoint
+  // and its 3 fp32 neighbours each way, both signs, the specials, values over 30 binades.
+  int search_bad = 0;
+  size_t values = 0;
+  for (const float* map : {map1, map2}) {
+    std::vector<float> xs = {0.0f, -0.0f, 1.0f, -1.0f, 2.0f, -2.0f, INFINITY, -INFINITY, NAN, -NAN, 1e-45f, -1e-45f,
+                             1e-39f, -1e-39f, 3.4e38f, -3.4e38f};
+    for (int k = 0; k < 32; ++k)
+      for (float sign : {1.0f, -1.0f}) {
+        float up = sign * map[k], down = up;
+        xs.push_back(up);
+        for (int j = 0; j < 3; ++j) {
+          up = std::nextafter(up, INFINITY);
+          down = std::nextafter(down, -INFINITY);
+          xs.push_back(up);
+          xs.push_back(down);
+        }
+      }
+    for (int k = 0; k < 4000; ++k) xs.push_back(std::ldexp(float(int(k * 2654435761u % 2049) - 1024) / 1024.0f, -(k % 30)));
+    if (xs.size() % 2 == 0) xs.push_back(0.5f);  // an odd count: the pad nibble too
+    std::vector<uint8_t> want((xs.size() + 1) / 2, 0), got_a(want.size(), 0xFF), got_b(want.size(), 0xFF);
+    for (size_t i = 0; i < xs.size(); ++i) {
+      int c = 0;
+      for (int j = 0; j < 15; ++j) c += map[16 + j] < xs[i];
+      want[i / 2] |= uint8_t(c << (i % 2 ? 0 : 4));
+    }
+    a.q4_quantize(xs.data(), int64_t(xs.size()), map, got_a.data());
+    b.q4_quantize(xs.data(), int64_t(xs.size()), map, got_b.data());
+    for (size_t i = 0; i < want.size(); ++i)
+      if (got_a[i] != want[i] || got_b[i] != want[i]) {
+        if (++search_bad <= 5)
+          std::printf("MISMATCH search %s map: x %a %a want %02x %s %02x %s %02x\n", map == map1 ? "signed" : "unsigned",
+                      xs[2 * i], 2 * i + 1 < xs.size() ? xs[2 * i + 1] : 0.0f, want[i], a.name, got_a[i], b.name,
+                      got_b[i]);
+      }
+    values += xs.size();
+  }
+  std::printf("search: %zu values, %d mismatches\n", values, search_bad);
+  return bad || search_bad || cases == 0 ? 1 : 0;
 }
