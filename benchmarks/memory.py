@@ -54,7 +54,6 @@ CONFIGS: dict[str, str] = {
     "hooks-adamw8bit-sr": "AdamW8bit(bf16_stochastic_round=True), one per param, stepped from hand-written hooks",
     "bnb-adamw8bit": "bitsandbytes.optim.AdamW8bit, bf16 params",
     "torchao-adamw8bit": "torchao.optim.AdamW8bit, bf16 params",
-    "torchao-adamw4bit": "torchao.optim.AdamW4bit, bf16 params",
 }
 
 
@@ -81,9 +80,6 @@ def _optimizer(config: str, params: Any) -> Any:
     if config == "torchao-adamw8bit":
         from torchao.optim import AdamW8bit
         return AdamW8bit(params, lr=lr)
-    if config == "torchao-adamw4bit":
-        from torchao.optim import AdamW4bit
-        return AdamW4bit(params, lr=lr)
     raise ValueError(f"unknown configuration {config!r}; known: {', '.join(CONFIGS)}")
 
 
