@@ -111,23 +111,25 @@ MFA_Q8_HOT __m512i q8_counts(const Quant<Signed>& q, __m512i z, __mmask16& unsur
   // min returns its second operand for a NaN estimate (z = inf in region 8): that region's count.
   return _mm512_cvttps_epi32(_mm512_min_ps(f, _mm512_permutexvar_ps(r, q.jhi)));
 }
-#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 // The block's fast path: codes of 64 values, each finite with |x| < 1.5 (the step's x = m / absmax
 // of a block whose scale and its inverse are finite): no NaN, infinity or binade above [1, 2), so
-// the binade needs no upper clamp, the region is one addition (Q8Map::region_add), and the codes
-// are packed and signed as bytes, 64 at a time: two byte permutes and a blend instead of four
-// narrowing stores, and the signed map's zero code plus or minus the count with byte saturation
-// (127 - 128 stays 0) instead of a clamp per 16 lanes. The same counts as q8_counts.
+// the binade needs no upper clamp, the region is one addition (Q8Map::region_add), the signed
+// map's negative lanes take |x| + 1 ulp in one masked addition, and the codes are packed and signed
+// as bytes, 64 at a time: two byte permutes and a blend instead of four narrowing stores, and the
+// zero code plus or minus the count with byte saturation (127 - 128 stays 0). The lanes too close
+// to an integer are found for all 64 at once, from the smallest |f - rint(f)| (one vrangeps per
+// 16 lanes); if there is one, the general search redoes those 64. The same counts as q8_counts.
 constexpr bool kFastQuantize = true;
 template <bool Signed>
-MFA_Q8_HOT __m512i q8_counts_unit(const Quant<Signed>& q, __m512i z, __mmask16& unsure) {
+MFA_Q8_HOT __m512i q8_counts_unit(const Quant<Signed>& q, __m512i z, __m512& nearest) {
   const __m512i zc = _mm512_max_epu32(z, q.bottom);  // below 2^-31: region 0, as binade 0's bottom
   const __m512i t = _mm512_permutex2var_epi32(q.add0, _mm512_srli_epi32(zc, 23), q.add1);
   const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(zc, t), 23);
   const __m512 f = _mm512_sub_ps(_mm512_mul_ps(_mm512_castsi512_ps(z), _mm512_permutexvar_ps(r, q.a)),
                                  _mm512_permutexvar_ps(r, q.c));
   const __m512 near = _mm512_reduce_ps(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // f - rint(f)
-  unsure = _mm512_cmp_ps_mask(_mm512_abs_ps(near), q.unsure, _CMP_LE_OQ);
+  nearest = _mm512_range_ps(near, nearest, 0x0A);  // min(|near|, |nearest|), its sign cleared
   return _mm512_cvttps_epi32(_mm512_min_ps(f, _mm512_permutexvar_ps(r, q.jhi)));
 }
 // The low bytes of four vectors of 32-bit lanes, in order, as one vector of 64 bytes.
@@ -139,40 +141,42 @@ MFA_Q8_HOT __m512i pack_low_bytes(__m512i a, __m512i b, __m512i c, __m512i d) {
   return _mm512_mask_blend_epi8(0xFFFFFFFF00000000ull, _mm512_permutex2var_epi8(a, idx, b),
                                 _mm512_permutex2var_epi8(c, idx, d));
 }
+template <bool Signed>
+MFA_Q8_HOT void quantize(uint8_t* out, F x, const Quant<Signed>& q, bool positive_floor);
 // Codes of x[0..64) * scale into out[0..64), every product finite with magnitude below 1.5.
 template <bool Signed>
 MFA_Q8_HOT void quantize64_unit(uint8_t* out, const float* x, F scale, const Quant<Signed>& q, bool positive_floor) {
   __m512i p[4];
-  __mmask16 unsure[4];
+  __m512 nearest = _mm512_set1_ps(1.0f);
   __mmask64 neg = 0;
   for (int k = 0; k < 4; ++k) {
     const __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * k), scale));
-    const __m512i y = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
     if (Signed) {
-      const __mmask16 n = _mm512_movepi32_mask(u);  // the sign bits: -0 too (its count is that of 1 ulp: 0)
+      // The sign bits (-0 too: its count is that of 1 ulp, 0); 0x80000001 + u there is |x| + 1 ulp.
+      const __mmask16 n = _mm512_movepi32_mask(u);
       neg |= __mmask64(n) << (16 * k);
-      p[k] = q8_counts_unit(q, _mm512_mask_add_epi32(y, n, y, q.one), unsure[k]);
+      p[k] = q8_counts_unit(q, _mm512_mask_add_epi32(u, n, u, _mm512_set1_epi32(int(0x80000001u))), nearest);
     } else {
-      // Below zero and at zero: code 0; above zero the count (at least 1 with the floor).
+      // Below zero and at zero: code 0 (a negative lane's count, from its bits as they are, is
+      // discarded); above zero the count (at least 1 with the floor).
       const __mmask16 keep = _mm512_cmpgt_epi32_mask(u, _mm512_setzero_si512());  // x > 0, as bits
-      const __m512i c = q8_counts_unit(q, y, unsure[k]);
+      const __m512i c = q8_counts_unit(q, u, nearest);
       p[k] = positive_floor ? _mm512_maskz_max_epu32(keep, c, q.one) : _mm512_maskz_mov_epi32(keep, c);
     }
+  }
+  if (__builtin_expect(_mm512_cmp_ps_mask(nearest, q.unsure, _CMP_LE_OQ) != 0, 0)) {
+    for (int k = 0; k < 4; ++k)
+      quantize(out + 16 * k, _mm512_mul_ps(_mm512_loadu_ps(x + 16 * k), scale), q, positive_floor);
+    return;
   }
   __m512i codes = pack_low_bytes(p[0], p[1], p[2], p[3]);
   if (Signed) {
     // The count is at most N + 1 = 128: 127 + count fits a byte; 127 - count saturates at 0.
-    const __m512i z8 = _mm512_set1_epi8(char(q.map->zero));
     // (The floor changes nothing here: a positive x's code is at least 127.)
+    const __m512i z8 = _mm512_set1_epi8(char(q.map->zero));
     codes = _mm512_mask_subs_epu8(_mm512_add_epi8(z8, codes), neg, z8, codes);
   }
   _mm512_storeu_si512(out, codes);
-  for (int k = 0; k < 4; ++k)
-    if (__builtin_expect(unsure[k] != 0, 0)) {
-      alignas(64) float t[W];
-      _mm512_store_ps(t, _mm512_mul_ps(_mm512_loadu_ps(x + 16 * k), scale));
-      recheck(out + 16 * k, t, unsure[k], *q.map, positive_floor);
-    }
 }
 #else
 constexpr bool kFastQuantize = false;
