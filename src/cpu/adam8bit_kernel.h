@@ -85,13 +85,14 @@ template <bool Signed>
 struct Quant {
   const Q8Map* map;
   __m512 a, c, jhi, unsure;
-  __m512i region0, region1, bound0, bound1, lowest, highest, one, zero;
+  __m512i region0, region1, bound0, bound1, lowest, highest, one, zero, add0, add1, bottom;
   explicit Quant(const Q8Map& m)
       : map(&m), a(_mm512_loadu_ps(m.a)), c(_mm512_loadu_ps(m.c)), jhi(_mm512_loadu_ps(m.jhi)),
         unsure(_mm512_set1_ps(m.unsure)), region0(_mm512_loadu_si512(m.region)), region1(_mm512_loadu_si512(m.region + 16)),
         bound0(_mm512_loadu_si512(m.boundary)), bound1(_mm512_loadu_si512(m.boundary + 16)),
         lowest(_mm512_set1_epi32(96)), highest(_mm512_set1_epi32(127)), one(_mm512_set1_epi32(1)),
-        zero(_mm512_set1_epi32(int(m.zero))) {}
+        zero(_mm512_set1_epi32(int(m.zero))), add0(_mm512_loadu_si512(m.region_add)),
+        add1(_mm512_loadu_si512(m.region_add + 16)), bottom(_mm512_set1_epi32(96 << 23)) {}
 };
 template <bool Signed>
 MFA_Q8_HOT __m512i q8_counts(const Quant<Signed>& q, __m512i z, __mmask16& unsure) {
@@ -110,6 +111,78 @@ MFA_Q8_HOT __m512i q8_counts(const Quant<Signed>& q, __m512i z, __mmask16& unsur
   // min returns its second operand for a NaN estimate (z = inf in region 8): that region's count.
   return _mm512_cvttps_epi32(_mm512_min_ps(f, _mm512_permutexvar_ps(r, q.jhi)));
 }
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+// The block's fast path: codes of 64 values, each finite with |x| < 1.5 (the step's x = m / absmax
+// of a block whose scale and its inverse are finite): no NaN, infinity or binade above [1, 2), so
+// the binade needs no upper clamp, the region is one addition (Q8Map::region_add), the signed
+// map's negative lanes take |x| + 1 ulp in one masked addition, and the codes are packed and signed
+// as bytes, 64 at a time: two byte permutes and a blend instead of four narrowing stores, and the
+// zero code plus or minus the count with byte saturation (127 - 128 stays 0). The lanes too close
+// to an integer are found for all 64 at once, from the smallest |f - rint(f)| (one vrangeps per
+// 16 lanes); if there is one, the general search redoes those 64. The same counts as q8_counts.
+constexpr bool kFastQuantize = true;
+template <bool Signed>
+MFA_Q8_HOT __m512i q8_counts_unit(const Quant<Signed>& q, __m512i z, __m512& nearest) {
+  const __m512i zc = _mm512_max_epu32(z, q.bottom);  // below 2^-31: region 0, as binade 0's bottom
+  const __m512i t = _mm512_permutex2var_epi32(q.add0, _mm512_srli_epi32(zc, 23), q.add1);
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(zc, t), 23);
+  const __m512 f = _mm512_sub_ps(_mm512_mul_ps(_mm512_castsi512_ps(z), _mm512_permutexvar_ps(r, q.a)),
+                                 _mm512_permutexvar_ps(r, q.c));
+  const __m512 near = _mm512_reduce_ps(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // f - rint(f)
+  nearest = _mm512_range_ps(near, nearest, 0x0A);  // min(|near|, |nearest|), its sign cleared
+  return _mm512_cvttps_epi32(_mm512_min_ps(f, _mm512_permutexvar_ps(r, q.jhi)));
+}
+// The low bytes of four vectors of 32-bit lanes, in order, as one vector of 64 bytes.
+MFA_Q8_HOT __m512i pack_low_bytes(__m512i a, __m512i b, __m512i c, __m512i d) {
+  const __m512i idx = _mm512_set_epi8(
+      124, 120, 116, 112, 108, 104, 100, 96, 92, 88, 84, 80, 76, 72, 68, 64, 60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20,
+      16, 12, 8, 4, 0, 124, 120, 116, 112, 108, 104, 100, 96, 92, 88, 84, 80, 76, 72, 68, 64, 60, 56, 52, 48, 44, 40,
+      36, 32, 28, 24, 20, 16, 12, 8, 4, 0);
+  return _mm512_mask_blend_epi8(0xFFFFFFFF00000000ull, _mm512_permutex2var_epi8(a, idx, b),
+                                _mm512_permutex2var_epi8(c, idx, d));
+}
+template <bool Signed>
+MFA_Q8_HOT void quantize(uint8_t* out, F x, const Quant<Signed>& q, bool positive_floor);
+// Codes of x[0..64) * scale into out[0..64), every product finite with magnitude below 1.5.
+template <bool Signed>
+MFA_Q8_HOT void quantize64_unit(uint8_t* out, const float* x, F scale, const Quant<Signed>& q, bool positive_floor) {
+  __m512i p[4];
+  __m512 nearest = _mm512_set1_ps(1.0f);
+  __mmask64 neg = 0;
+  for (int k = 0; k < 4; ++k) {
+    const __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * k), scale));
+    if (Signed) {
+      // The sign bits (-0 too: its count is that of 1 ulp, 0); 0x80000001 + u there is |x| + 1 ulp.
+      const __mmask16 n = _mm512_movepi32_mask(u);
+      neg |= __mmask64(n) << (16 * k);
+      p[k] = q8_counts_unit(q, _mm512_mask_add_epi32(u, n, u, _mm512_set1_epi32(int(0x80000001u))), nearest);
+    } else {
+      // Below zero and at zero: code 0 (a negative lane's count, from its bits as they are, is
+      // discarded); above zero the count (at least 1 with the floor).
+      const __mmask16 keep = _mm512_cmpgt_epi32_mask(u, _mm512_setzero_si512());  // x > 0, as bits
+      const __m512i c = q8_counts_unit(q, u, nearest);
+      p[k] = positive_floor ? _mm512_maskz_max_epu32(keep, c, q.one) : _mm512_maskz_mov_epi32(keep, c);
+    }
+  }
+  if (__builtin_expect(_mm512_cmp_ps_mask(nearest, q.unsure, _CMP_LE_OQ) != 0, 0)) {
+    for (int k = 0; k < 4; ++k)
+      quantize(out + 16 * k, _mm512_mul_ps(_mm512_loadu_ps(x + 16 * k), scale), q, positive_floor);
+    return;
+  }
+  __m512i codes = pack_low_bytes(p[0], p[1], p[2], p[3]);
+  if (Signed) {
+    // The count is at most N + 1 = 128: 127 + count fits a byte; 127 - count saturates at 0.
+    // (The floor changes nothing here: a positive x's code is at least 127.)
+    const __m512i z8 = _mm512_set1_epi8(char(q.map->zero));
+    codes = _mm512_mask_subs_epu8(_mm512_add_epi8(z8, codes), neg, z8, codes);
+  }
+  _mm512_storeu_si512(out, codes);
+}
+#else
+constexpr bool kFastQuantize = false;
+template <bool Signed>
+inline void quantize64_unit(uint8_t*, const float*, F, const Quant<Signed>&, bool) {}
+#endif
 template <bool Signed>
 MFA_Q8_HOT void quantize(uint8_t* out, F x, const Quant<Signed>& q, bool positive_floor) {
   const __m512i u = _mm512_castps_si512(x);
@@ -136,6 +209,10 @@ MFA_Q8_HOT void quantize(uint8_t* out, F x, const Quant<Signed>& q, bool positiv
   }
 }
 #elif defined(MFA_ISA_AVX2)
+constexpr bool kFastQuantize = false;  // (AVX-512 with VBMI only)
+template <bool Signed> struct Quant;
+template <bool Signed>
+inline void quantize64_unit(uint8_t*, const float*, Vec::F, const Quant<Signed>&, bool) {}
 using Acc = __m256i;
 inline Acc acc_zero() { return _mm256_setzero_si256(); }
 constexpr bool kBlockDequant = false;  // the per-vector gather or lane loop
@@ -215,6 +292,10 @@ MFA_Q8_HOT void quantize(uint8_t* out, F x, const Quant<Signed>& q, bool positiv
 #else
 // Scalar and NEON: the same operations one lane at a time (NEON has no gather); the search
 // vectorized on NEON.
+constexpr bool kFastQuantize = false;
+template <bool Signed> struct Quant;
+template <bool Signed>
+inline void quantize64_unit(uint8_t*, const float*, Vec::F, const Quant<Signed>&, bool) {}
 struct Acc { uint32_t lane[W]; };
 inline Acc acc_zero() { return Acc{}; }
 constexpr bool kBlockDequant = false;  // the per-vector gather or lane loop
@@ -414,10 +495,22 @@ void adam8bit_blocks(const Q8Job& job, int64_t b0, int64_t b1) {
     // The absmax as the reference's amax of |x|: non-negative floats order as their bit
     // patterns, and any NaN pattern lies above +inf's, so a NaN anywhere makes the scale NaN.
     const float s1 = from_bits(acc_reduce(mx1)), s2 = from_bits(acc_reduce(mx2));
-    const F inv1 = Vec::set1(s1 == 0.0f ? 0.0f : 1.0f / s1), inv2 = Vec::set1(s2 == 0.0f ? 0.0f : 1.0f / s2);
-    for (j = 0; j + W <= len; j += W) {
-      quantize(codes1 + lo + j, Vec::load(mb + j) * inv1, quant1, false);
-      quantize(codes2 + lo + j, Vec::load(vb + j) * inv2, quant2, true);
+    const float i1 = s1 == 0.0f ? 0.0f : 1.0f / s1, i2 = s2 == 0.0f ? 0.0f : 1.0f / s2;
+    const F inv1 = Vec::set1(i1), inv2 = Vec::set1(i2);
+    // A finite scale with a finite inverse makes every x = m * inverse finite, |x| <= 1 + 2 ulps:
+    // the fast path's condition (whole blocks; the others take the general search).
+    const bool fast1 = kFastQuantize && len == kQ8Block && __builtin_isfinite(s1) && __builtin_isfinite(i1);
+    const bool fast2 = kFastQuantize && len == kQ8Block && __builtin_isfinite(s2) && __builtin_isfinite(i2);
+    if (fast1 && fast2) {
+      for (j = 0; j < kQ8Block; j += 64) {
+        quantize64_unit(codes1 + lo + j, mb + j, inv1, quant1, false);
+        quantize64_unit(codes2 + lo + j, vb + j, inv2, quant2, true);
+      }
+    } else {
+      for (j = 0; j + W <= len; j += W) {
+        quantize(codes1 + lo + j, Vec::load(mb + j) * inv1, quant1, false);
+        quantize(codes2 + lo + j, Vec::load(vb + j) * inv2, quant2, true);
+      }
     }
     if (r > 0) {
       uint8_t q1[W], q2[W];
@@ -476,6 +569,19 @@ template <bool Signed>
 void quantize_map(const float* x, int64_t n, const Q8Map& map, bool positive_floor, uint8_t* out) {
   const Quant<Signed> q(map);
   int64_t i = 0;
+  if (kFastQuantize) {
+    // 64 values at a time through the step's fast path where they meet its condition (so the
+    // tests hold both searches to the reference), else the general one.
+    for (; i + 64 <= n; i += 64) {
+      bool unit = true;
+      for (int k = 0; k < 64; ++k) unit = unit && __builtin_fabsf(x[i + k]) < 1.5f;  // false for NaN
+      if (unit) {
+        quantize64_unit(out + i, x + i, Vec::set1(1.0f), q, positive_floor);
+      } else {
+        for (int k = 0; k < 64; k += W) quantize(out + i + k, Vec::load(x + i + k), q, positive_floor);
+      }
+    }
+  }
   for (; i + W <= n; i += W) quantize(out + i, Vec::load(x + i), q, positive_floor);
   if (i < n) {
     float t[W] = {};

@@ -120,6 +120,10 @@ struct Q8Map {
   const int32_t* region;      // per binade index (q8_binade): the regions below that binade
   const uint32_t* boundary;   // per binade index: the bits of the region boundary in it, or 0x7FFFFFFF
   const uint32_t* boundaries; // the 8 region boundaries' bits, ascending (paths that compare)
+  // per binade index: the region of z >= 2^-31 below 2 in one addition, (z + region_add[k]) >> 23
+  // (the region's count shifted in, the binade's bottom subtracted, and the distance from the
+  // boundary to the binade's top added, so crossing the boundary carries into bit 23)
+  const uint32_t* region_add;
   float unsure;  // the estimate's largest error at a midpoint: a fast path rechecks lanes this close to an integer
   uint32_t zero;   // the zero code: 127 (signed) or 0 (unsigned)
   uint32_t top;    // N, the last positive-half midpoint

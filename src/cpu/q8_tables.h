@@ -21,7 +21,7 @@ constexpr int kKtMids = 256, kKtA = 512, kKtC = 528, kKtJhi = 544, kKtJlo = 560,
 
 struct Q8Tables {
   std::vector<float> table;  // the kernel table as given
-  std::vector<uint32_t> mid_bits, boundaries;
+  std::vector<uint32_t> mid_bits, boundaries, region_add;
   std::vector<uint8_t> bytes;
   float unsure = 0.0f;
   uint32_t zero = 0, top = 0, is_signed = 0;
@@ -29,7 +29,7 @@ struct Q8Tables {
     const float* t = table.data();
     return Q8Map{t, bytes.data(), mid_bits.data(), t + kKtA, t + kKtC, t + kKtJhi, t + kKtJlo,
                  reinterpret_cast<const int32_t*>(t + kKtRegion), reinterpret_cast<const uint32_t*>(t + kKtBoundary),
-                 boundaries.data(), unsure, zero, top, is_signed};
+                 boundaries.data(), region_add.data(), unsure, zero, top, is_signed};
   }
 };
 
@@ -71,6 +71,23 @@ inline std::unique_ptr<Q8Tables> build_q8_tables(const float* kernel_table) {
     q8_require(q8_region(b, m) == r && q8_region(b + 1, m) == r + 1, "region tables disagree with the boundaries");
   }
   q8_require(q8_region(0, m) == 0 && q8_region(0x7F800001u, m) == 8, "region tables miss the ends");
+  // The one-addition form of q8_region for the binades 2^-31 .. [1, 2) (a fast path's, z clamped
+  // below to 2^-31, whose region 0 it shares), checked at each binade's ends and around its boundary.
+  t->region_add.resize(32);
+  for (uint32_t k = 0; k < 32; ++k) {
+    const uint32_t low = (k + 96u) << 23, b = m.boundary[k];
+    q8_require(b == 0x7FFFFFFFu || (b >= low && b - low < (1u << 23)), "a region boundary outside its binade");
+    const uint32_t carry = b == 0x7FFFFFFFu ? 0u : ((1u << 23) - 1u) - (b - low);
+    t->region_add[k] = (uint32_t(m.region[k]) << 23) - low + carry;
+  }
+  m = t->view();
+  for (uint32_t k = 0; k < 32; ++k) {
+    const uint32_t low = (k + 96u) << 23, b = m.boundary[k];
+    for (uint32_t z : {low, low + (1u << 23) - 1u, b - 1u, b, b + 1u}) {
+      if (z < low || z - low >= (1u << 23)) continue;
+      q8_require(((z + m.region_add[k]) >> 23) == q8_region(z, m), "one-addition regions disagree with the tables");
+    }
+  }
   for (uint32_t r = 9; r < 16; ++r)
     q8_require(m.a[r] == m.a[8] && m.c[r] == m.c[8] && m.jhi[r] == m.jhi[8], "pad regions not like region 8");
   // The estimate's error: at each inner midpoint M_j, whose count threshold is j + 1, the estimate
