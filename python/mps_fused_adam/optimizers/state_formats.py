@@ -1,7 +1,7 @@
 """State formats: how an optimizer keeps a param's rule state, as a policy of the one optimizer base.
 
 A *format* creates a param's state tensors, checks existing (or loaded) ones, re-takes them from a
-state dict and names the backend rule (``contract.RULES``; 8-bit: ``lowbit.ADAM8BIT``) whose kernel
+state dict and names the backend rule (``contract.RULES``; 8-bit: ``"adam8bit"``) whose kernel
 updates them. A *policy* picks the format of each param: every class but the 8-bit ones has one
 format (:class:`Moments`: the rule's states in one dtype and the param's shape); the 8-bit classes
 keep block-wise codes (:class:`Blockwise8bit`) and fp32 moments below ``min_8bit_size``. The step
@@ -16,7 +16,7 @@ import torch
 
 from . import validate
 from ..numerics.contract import RULES
-from ..numerics.lowbit import ADAM8BIT, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE, num_blocks
+from ..numerics.lowbit import SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE, num_blocks
 
 SEED_KEY = "sr_seed"  # a bf16 param's stochastic-rounding seed, in its state (sr_seeds.py)
 
@@ -29,7 +29,8 @@ class Moments:
 
     def __init__(self, rule: str, dtype: Optional[torch.dtype] = None) -> None:
         self.rule = rule
-        self.sr_rule = f"{rule}_sr"  # the rule with bf16 params stored by stochastic rounding (Adam's)
+        # The rule with bf16 params stored by stochastic rounding (Adam's adam_sr; the others have none).
+        self.sr_rule = RULES[rule].sr_rule or rule
         self.names: tuple[str, ...] = RULES[rule].states
         self.dtype = dtype
 
@@ -71,9 +72,9 @@ class Blockwise8bit:
     ``lowbit.BLOCK`` elements (``lowbit.py``'s contract; bitsandbytes' layout and key names)."""
 
     plain = False
-    rule = sr_rule = ADAM8BIT.name  # stochastic rounding: a switch of the same kernel
+    rule = sr_rule = "adam8bit"  # stochastic rounding: a switch of the same kernel (its sr_rule)
     # The backends' order of the rule's state lists (backends.Backend.update).
-    names = ("exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_codes", "exp_avg_sq_absmax")
+    names = RULES[rule].blocks.names
 
     def state_dtype(self, opt: Any, p: torch.Tensor) -> torch.dtype:
         return torch.uint8
