@@ -33,9 +33,10 @@ How to add an update rule (Lion, Adagrad, ...): only what must differ between ru
    (``kStates``, ``Scalars``, ``operator()(F& p, F g, F* s)``), a ``<Rule>Rule`` with an inline
    ``apply`` in ``metal/fused_adam.metal``, and its ``torch._foreach_*`` form
    (``backends.ForeachBackend.RULES``).
-3. Its scalar struct in C++ (``src/cpu/adam_types.h``, with its line in ``MFA_RULES``) and
-   Metal (``<Rule>Params`` and its ``FUSED_RULES`` line), fields as the ``NamedTuple``
-   (tests/test_scalar_layouts.py), and its parity examples (``tests/native/isa_parity.cpp``,
+3. Its scalar structs, C++ ``<Rule>Scalars`` and Metal ``<Rule>Params``, written from the
+   ``NamedTuple``: one line in ``ci/scalar_structs.py``'s ``STRUCTS``, then ``python
+   ci/scalar_structs.py`` (tests/test_scalar_layouts.py fails on a stale or a wrong struct); its
+   lines in ``MFA_RULES`` (``src/cpu/adam_types.h``) and ``FUSED_RULES`` (the .metal file); and its parity examples (``tests/native/isa_parity.cpp``,
    ``examples(Tag<RuleId::X>)``: without them the NEON/x86 parity run does not compile).
 4. Its public class (``optimizers/fused.py``: ``_rule``, the constructor, ``_check_group``,
    ``_hyper``, ``_new_state`` when a state does not start at 0; its name in
@@ -58,7 +59,8 @@ b. Its math: the reference ``(param, grad, *states, AdamHyper, sr_key)`` in ``re
    the fresh states ``(shape, device) -> [tensors]`` in ``lowbit.py``.
 c. Its kernels: the ``_cpu`` entry with ``adam8bit_step_many``'s arguments (``src/cpu/``, calling
    ``AdamRule``), and the Metal kernels with ``Adam8bitRule``'s buffers and struct (calling
-   ``AdamRule::apply``), instantiated for the three param dtypes.
+   ``AdamRule::apply``), instantiated for the three param dtypes; a scalar struct of its own (if
+   its scalars differ from the 8-bit ones) is a line of ``ci/scalar_structs.py``'s ``STRUCTS``.
 d. Its state format (``optimizers/state_formats.py``: ``rule``/``sr_rule`` the entry's name,
    ``names`` its ``Blocks.names``) and the class or option that picks it; its tests against its
    reference (the test harnesses' own low-bit cases: tests/metal_harness.py, test_scalar_layouts'
@@ -117,8 +119,8 @@ class AdamScalars(NamedTuple):
     one_minus_beta2: float
     eps: float
     weight_decay: float
-    step_size: float  # lr / bc1
-    d2: float  # 1 / sqrt(bc2)
+    step_size: float  # lr / bc1, bc1 = 1 - beta1^step (1 without bias correction)
+    d2: float  # 1 / sqrt(bc2), bc2 = 1 - beta2^step (1 without bias correction)
     decay: float  # 1 - lr * wd in AdamW mode, 1 in L2 mode
     adam_w_mode: int
     maximize: int
@@ -185,7 +187,7 @@ class LionScalars(NamedTuple):
     beta2: float
     one_minus_beta1: float
     one_minus_beta2: float
-    decay: float
+    decay: float  # 1 - lr * weight_decay
     maximize: int
 
 
@@ -225,10 +227,10 @@ class AdagradHyper:
 class AdagradScalars(NamedTuple):
     """The fp32 values an Adagrad kernel sees; order matches the C++ and Metal parameter structs."""
 
-    clr: float
+    clr: float  # lr / (1 + (step - 1) * lr_decay)
     eps: float
     weight_decay: float
-    l2: int
+    l2: int  # weight_decay != 0
     maximize: int
 
 
