@@ -34,8 +34,9 @@
 // Adding a rule: a struct like AdamRule below (kStates, Params, an inline apply() in the
 // contract's operation order, precise sqrt/divide) and one line in FUSED_RULES at the end, which
 // instantiates it for every dtype pair with the kernel shape of its state count (fused_step_2,
-// or fused_step_1: buffers 0-2 for tensors, 3-5 for the rest). Its Params fields are those of its
-// contract.py NamedTuple, in order (tests/test_scalar_layouts.py).
+// or fused_step_1: buffers 0-2 for tensors, 3-5 for the rest). Its Params struct is written from
+// its contract.py NamedTuple by ci/scalar_structs.py into the marked block below (this file
+// includes nothing of ours: tier 3 compiles its text as it is).
 
 #ifndef FUSED_ADAM_HOST_EMULATOR
 #include <metal_stdlib>
@@ -49,8 +50,10 @@ using namespace metal;
 #endif
 #endif
 
-// Adam, numeric contract v2 (python/mps_fused_adam/numerics/contract.py): one precise sqrt and one precise
-// division per element; every other scalar comes from the host (computed in double, rounded once).
+// The rules' Params structs, fields named and ordered as numerics/contract.py's NamedTuples (the
+// C++ kernel's structs in src/cpu/adam_types.h are written from the same source).
+// BEGIN scalar structs: written by ci/scalar_structs.py from numerics/contract.py; do not edit
+// Adam (contract.AdamScalars).
 struct AdamParams {
   float beta1;
   float beta2;
@@ -58,13 +61,56 @@ struct AdamParams {
   float one_minus_beta2;
   float eps;
   float weight_decay;
-  float step_size;  // lr / (1 - beta1^step), or lr without bias correction
-  float d2;         // 1 / sqrt(1 - beta2^step), or 1 without bias correction
-  float decay;      // 1 - lr * weight_decay in AdamW mode, 1 in L2 mode
+  float step_size;  // lr / bc1, bc1 = 1 - beta1^step (1 without bias correction)
+  float d2;  // 1 / sqrt(bc2), bc2 = 1 - beta2^step (1 without bias correction)
+  float decay;  // 1 - lr * wd in AdamW mode, 1 in L2 mode
   uint adam_w_mode;
   uint maximize;
 };
+// Lion (contract.LionScalars).
+struct LionParams {
+  float lr;
+  float beta1;
+  float beta2;
+  float one_minus_beta1;
+  float one_minus_beta2;
+  float decay;  // 1 - lr * weight_decay
+  uint maximize;
+};
+// Adagrad (contract.AdagradScalars).
+struct AdagradParams {
+  float clr;  // lr / (1 + (step - 1) * lr_decay)
+  float eps;
+  float weight_decay;
+  uint l2;  // weight_decay != 0
+  uint maximize;
+};
+// Adam storing a bf16 param by stochastic rounding (contract.adam_sr_scalars).
+struct AdamSRParams {
+  AdamParams adam;
+  uint sr_key;  // lowbit.sr_key(seed, step) of the tensor
+};
+// 8-bit Adam on Metal (contract.adam8bit_tensor_scalars).
+struct Adam8bitParams {
+  float beta1;
+  float beta2;
+  float one_minus_beta1;
+  float one_minus_beta2;
+  float eps;
+  float weight_decay;
+  float step_size;  // lr / bc1
+  float d2;  // 1 / sqrt(bc2)
+  float decay;  // 1 - lr * wd in AdamW mode, 1 in L2 mode
+  float clip;  // bound of |m / denom| (normalized_step_bound, rounded up)
+  uint adam_w_mode;
+  uint maximize;
+  uint sr;  // bf16 params only: store by stochastic rounding with sr_key
+  uint sr_key;
+};
+// END scalar structs
 
+// Adam, numeric contract v2 (python/mps_fused_adam/numerics/contract.py): one precise sqrt and one precise
+// division per element; every other scalar comes from the host (computed in double, rounded once).
 // The normalized step m / denom as Adam takes it (NoClamp), or clamped to [-clip, clip] as the
 // 8-bit rule takes it (ClampToClip: H has a clip field; NaN stays NaN).
 struct NoClamp {
@@ -119,16 +165,6 @@ struct AdamRule {
 
 // Lion (python/mps_fused_adam/numerics/contract.py): no sqrt, no division. sign(c) is 1, -1, +0 for both
 // zeros and NaN for NaN (c - c), so a NaN momentum or gradient reaches the parameter.
-struct LionParams {
-  float lr;
-  float beta1;
-  float beta2;
-  float one_minus_beta1;
-  float one_minus_beta2;
-  float decay;  // 1 - lr * weight_decay
-  uint maximize;
-};
-
 struct LionRule {
   enum : uint { kStates = 1 };
   typedef LionParams Params;
@@ -149,14 +185,6 @@ struct LionRule {
 };
 
 // Adagrad (torch.optim.Adagrad's algorithm, contract.py): one precise sqrt, one precise division.
-struct AdagradParams {
-  float clr;  // lr / (1 + (step - 1) * lr_decay)
-  float eps;
-  float weight_decay;
-  uint l2;    // weight_decay != 0
-  uint maximize;
-};
-
 struct AdagradRule {
   enum : uint { kStates = 1 };
   typedef AdagradParams Params;
@@ -180,11 +208,6 @@ struct AdagradRule {
 // Adam whose bf16 parameter is stored by stochastic rounding (python/mps_fused_adam/numerics/lowbit.py):
 // the Adam math above, then the store of ParamStore<AdamSRRule> below. The key is the tensor's
 // lowbit.sr_key(seed, step), so the host dispatches one tensor per struct.
-struct AdamSRParams {
-  AdamParams adam;
-  uint sr_key;
-};
-
 struct AdamSRRule {
   enum : uint { kStates = 2 };
   typedef AdamSRParams Params;
@@ -338,22 +361,6 @@ kernel void fused_step_1(device P* param [[buffer(0)]],
 // Buffers: 0 param (P)  1 grad (P)  2 exp_avg codes  3 exp_avg_sq codes (uchar)  4, 5 their block
 // scales (float)  6, 7 the signed and unsigned map tables (the format's kernel table)
 // 8 Adam8bitParams (both formats: the rules differ only in their states)  9 base  10 n.
-struct Adam8bitParams {
-  float beta1;
-  float beta2;
-  float one_minus_beta1;
-  float one_minus_beta2;
-  float eps;
-  float weight_decay;
-  float step_size;
-  float d2;
-  float decay;
-  float clip;  // the bound of the normalized step m / denom (lowbit.normalized_step_bound)
-  uint adam_w_mode;
-  uint maximize;
-  uint sr;      // bf16 params only: store by stochastic rounding with sr_key
-  uint sr_key;
-};
 
 // The nearest-code search of src/cpu/q8_search.h on a map's kernel table (lowbit.py, "The
 // kernels' quantizer"; offsets KT_*): the region of z (fp32 bits of a value >= 0) from its binade

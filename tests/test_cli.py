@@ -74,16 +74,19 @@ def test_check_only_json():
     report = json.loads(run.stdout)  # nothing but the JSON object on stdout
     assert set(report) == {"self_check", "passed", "summary"} and report["passed"] is True
     assert report["summary"]["checks_passed"] == report["summary"]["checks"] == len(report["self_check"])
-    from mps_fused_adam.numerics.contract import RULES
+    from mps_fused_adam.numerics.contract import element_rules
     from mps_fused_adam.tools.selfcheck import AGREEMENT_BOUND, AGREEMENT_LABEL, PAIRS
     cpu_paths = [r for r in report["self_check"] if r["backend"].startswith("_cpu (")]
-    # Every rule of contract.RULES per dtype pair; 8-bit Adam x 3, stochastic rounding x 2, 4-bit
-    # Adam x 3; several tensors in one call; torch.optim.AdamW
-    per_path = len(PAIRS) * len(RULES) + 5 + 3 + 1 + 1
+    # Every rule of contract.RULES per dtype pair; 8-bit and 4-bit Adam x 3 each, stochastic
+    # rounding x 2; several tensors in one call; torch.optim.AdamW
+    from mps_fused_adam.tools.selfcheck import block_rules
+    assert block_rules() == ["adam8bit", "adam4bit"]
+    lowbit_cases = 3 * len(block_rules()) + 2
+    per_path = len(PAIRS) * len(element_rules()) + lowbit_cases + 1 + 1
     assert cpu_paths and len(cpu_paths) % per_path == 0
     paths = len(cpu_paths) // per_path
-    assert sum(r["dtypes"].startswith(("adam8bit ", "adam-sr ")) for r in cpu_paths) == 5 * paths
-    assert sum(r["dtypes"].startswith("adam4bit ") for r in cpu_paths) == 3 * paths
+    assert sum(r["dtypes"].startswith((*(f"{b} " for b in block_rules()), "adam-sr ")) for r in cpu_paths) == \
+        lowbit_cases * paths
     agreement = [r for r in report["self_check"] if r["dtypes"] == AGREEMENT_LABEL]
     assert [r["backend"] for r in agreement] == [r["backend"] for r in cpu_paths[::per_path]] + ["foreach"]
     assert all(0 < r["worst_in_eps"] < AGREEMENT_BOUND and r["passed"] for r in agreement)
@@ -272,10 +275,11 @@ def _check(after, device="cpu"):
 
 
 def _cases() -> int:
-    """check_backend's cases: every rule of contract.RULES in every dtype pair of the self-check."""
-    from mps_fused_adam.numerics.contract import RULES
+    """check_backend's cases: every rule of contract.RULES with its own element math in every dtype
+    pair of the self-check."""
+    from mps_fused_adam.numerics.contract import element_rules
     from mps_fused_adam.tools.selfcheck import PAIRS
-    return len(RULES) * len(PAIRS)
+    return len(element_rules()) * len(PAIRS)
 
 
 def test_a_nan_written_by_a_backend_fails_the_check():
@@ -360,6 +364,9 @@ def test_a_host_scalar_bug_shared_with_the_reference_fails(monkeypatch, capsys):
     for module in (contract, reference, backends):
         monkeypatch.setattr(module, "adam_scalars", buggy)
     monkeypatch.setitem(contract.RULES, "adam", dataclasses.replace(contract.RULES["adam"], scalars=buggy))
+    # The 8-bit rule's scalars (contract.adam8bit_scalars) call contract.adam_scalars too; the memo
+    # of packed scalars cannot see a patched function, so it starts empty.
+    monkeypatch.setattr(backends, "_PACKED", {})
     assert cli.main(["--check", "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["passed"] is False

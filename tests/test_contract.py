@@ -9,10 +9,11 @@ import math
 import struct
 
 import pytest
+from mps_fused_adam.numerics.contract import resolve as contract_resolve
 import torch
 
 from mps_fused_adam import backends
-from mps_fused_adam.numerics.contract import RULES, AdamHyper, adam_scalars, rule
+from mps_fused_adam.numerics.contract import RULES, AdamHyper, adam_scalars, element_rules, rule
 from mps_fused_adam.numerics.reference import REFERENCES
 from mps_fused_adam.tools.selfcheck import torch_agreement
 
@@ -22,10 +23,15 @@ def f32(x: float) -> float:
 
 
 def test_every_rule_is_complete():
-    """Each rule of the registry has a reference, a foreach form and a packable scalar struct."""
+    """Each rule of the registry with its own element math has a reference and a foreach form; each
+    storage form its per-tensor reference (the foreach tier's form of it) and its base rule."""
     for name, r in RULES.items():
-        assert r.name == name and r.states and name in REFERENCES
-        assert name in backends.ForeachBackend.RULES
+        assert r.name == name and r.states
+        if name in element_rules():
+            assert name in REFERENCES and name in backends.ForeachBackend.RULES
+        else:
+            assert r.base in element_rules() and r.reference and contract_resolve(r.reference)
+            assert RULES[r.sr_rule].base == r.base
     assert rule("adam").states == ("exp_avg", "exp_avg_sq")
     try:
         rule("lion?")

@@ -253,7 +253,7 @@ def test_selfcheck_of_lowbit_rules_catches_a_wrong_kernel():
     good = list(check_lowbit(*_lowbit(CPUBackend()), "cpu", "_cpu", n=600))
     assert len(good) == 5 and all(r.passed and r.bit_exact for r in good)
 
-    def off_8bit(p, g, st, hp, key):
+    def off_8bit(rule, p, g, st, hp, key):
         import dataclasses
         reference_adam8bit_(p, g, st["exp_avg_codes"], st["exp_avg_absmax"], st["exp_avg_sq_codes"],
                             st["exp_avg_sq_absmax"], dataclasses.replace(hp, beta1=0.5), key)

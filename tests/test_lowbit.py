@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from mps_fused_adam.numerics import lowbit
+from mps_fused_adam.numerics import contract, lowbit
 from mps_fused_adam.numerics.contract import AdamHyper
 from mps_fused_adam.numerics.reference_lowbit import (block_absmax, dequantize, quantize, reference_adam8bit_, reference_adam_sr_)
 
@@ -205,7 +205,7 @@ def test_clamp_contains_the_known_hazard(monkeypatch):
         return codes
 
     monkeypatch.setattr(reference_lowbit, "quantize", nearest_code_only)
-    monkeypatch.setattr(lowbit, "normalized_step_bound", lambda *a: math.inf)
+    monkeypatch.setattr(contract, "normalized_step_bound", lambda *a: math.inf)  # adam8bit_scalars' (contract.py)
     unclamped = adam8bit_run(p0, grads)
     print(f"\nmax |8-bit - fp32|: contract {(q - exact).abs().max().item():.3g}, "
           f"nearest code without clamp {(unclamped - exact).abs().max().item():.3g}")

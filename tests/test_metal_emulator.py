@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from emulated_mps import METAL_SOURCE, Emulator, build_emulator, compile_emulator, find_compiler, host_names
-from mps_fused_adam.numerics.contract import RULES, AdamHyper, example
+from mps_fused_adam.numerics.contract import RULES, AdamHyper, element_rules, example
 from mps_fused_adam.numerics import lowbit
 from mps_fused_adam.backends.mps import KERNELS, METAL_RULES, pack_params
 from mps_fused_adam.numerics.reference import reference_adam_
@@ -43,7 +43,7 @@ def emu(emulator_cxx) -> Emulator:
 
 
 # One hyperparameter object per rule (its example, contract.Example), for the checks that only need the struct's size.
-RULE_HYPER = {name: example(name).hyper(1) for name in RULES}
+RULE_HYPER = {name: example(name).hyper(1) for name in element_rules()}
 
 
 def hyper(step: int, **mode) -> AdamHyper:
@@ -95,12 +95,12 @@ def test_kernel_names_agree(emu):
     assert sorted(exported) == sorted(emu.kernel_names) == sorted(KERNELS.values())
     # Five dtype pairs per rule, Adam with stochastic rounding for the two bf16-param pairs, and
     # 8-bit and 4-bit Adam for the three param dtypes.
-    assert len(exported) == 5 * len(RULES) + 2 + 3 + 3
+    assert len(exported) == 5 * len(element_rules()) + 2 + 3 + 3
     assert {f"fused_adam{b}bit_{p}_uchar" for b in (8, 4) for p in ("float", "half", "bfloat")} <= set(exported)
     assert {"fused_adam_sr_bfloat_float", "fused_adam_sr_bfloat_bfloat"} <= set(exported)
     # Before Metal 3.1 (no bfloat type) only the float and half kernels exist.
     assert sorted(host_names(METAL_SOURCE.read_text(), metal_version=300)) == sorted(
-        [f"fused_{rule}_{pair}" for rule in RULES for pair in ("float_float", "half_float", "half_half")]
+        [f"fused_{rule}_{pair}" for rule in element_rules() for pair in ("float_float", "half_float", "half_half")]
         + [f"fused_adam{b}bit_{p}_uchar" for b in (8, 4) for p in ("float", "half")])
 
 
@@ -280,7 +280,7 @@ def test_every_line_of_the_kernel_runs(tmp_path):
     # Each instantiation shows up as its own block; all kernels must have run. (gcov's
     # demangler leaves the _Float16 ones mangled.)
     kernels = re.findall(r"^(?:void fused_step_[12]<[^>]*>|_Z12fused_step_[12]\w+)", report, flags=re.M)
-    assert len(kernels) == 5 * len(RULES) + 2, kernels
+    assert len(kernels) == 5 * len(element_rules()) + 2, kernels
     # gcov shows the block-wise kernel's lines merged over its instantiations: each one was dispatched.
     assert {d["name"] for d in cov.dispatches} >= {f"fused_adam{b}bit_{p}_uchar" for b in (8, 4)
                                                    for p in ("float", "half", "bfloat")}

@@ -21,7 +21,7 @@ from mps_fused_adam import backends
 from mps_fused_adam.backends import Kernel
 from mps_fused_adam.backends.chain import CHOSEN, FAILED, LOADED, NOT_TRIED
 from mps_fused_adam.backends.mps import BASE_KERNEL, KERNELS, METALLIB_NAME, PROBE_ELEMENTS, kernel_name
-from mps_fused_adam.numerics.contract import RULES
+from mps_fused_adam.numerics.contract import RULES, element_rules
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -275,7 +275,7 @@ def test_library_without_bfloat_kernels_serves_the_rest(emu, pkg, monkeypatch):
     backends._reasons.pop("mps-test", None)
     assert chain.name == "compile_shader"
     refused = chain.tiers_info()[2]["kernels_unavailable"]
-    missing = sorted([f"{rule} bfloat16/{s}" for rule in [*RULES, "adam_sr"] for s in ("bfloat16", "float32")]
+    missing = sorted([f"{rule} bfloat16/{s}" for rule in [*element_rules(), "adam_sr"] for s in ("bfloat16", "float32")]
                      + ["adam8bit bfloat16/uint8", "adam4bit bfloat16/uint8"])
     assert sorted(refused) == missing
     assert refused["adam bfloat16/float32"] == "the library lacks kernel fused_adam_bfloat_float"

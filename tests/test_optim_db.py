@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 import mps_fused_adam as mfa
-from mps_fused_adam.numerics.contract import RULES
+from mps_fused_adam.numerics.contract import RULES, element_rules
 
 from conftest import public_optimizer_names
 from optim_db import OPTIM_DB
@@ -33,5 +33,5 @@ def test_entries_describe_their_classes():
         assert info.step_in_backward == ("step_in_backward" in options), name
         assert all(option in options for option in info.refused), name
         assert "." in info.counterpart, name
-    for rule in RULES:
+    for rule in element_rules():
         assert [i.name for i in OPTIM_DB.values() if i.rule == rule and i.rule_check and i.example_kwargs], rule

@@ -3,11 +3,15 @@
 (the one ``MFA_RULES`` names for the rule) and the Metal ``Params`` struct of the rule struct that
 ``metal/fused_adam.metal`` instantiates for the rule's kernels. The bytes are only ever packed
 and read by position, so the kernels' size checks cannot see two same-typed fields swapped; the
-names can. Text only: nothing is compiled but the .metal source's preprocessing."""
+names can. Text only: nothing is compiled but the .metal source's preprocessing. The C++ and
+Metal structs are written from contract.py by ci/scalar_structs.py
+(test_structs_are_written_from_the_contract); these tests hold the result to the contract anyway."""
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
+import sys
 import typing
 from pathlib import Path
 
@@ -15,11 +19,12 @@ import pytest
 
 from emulated_mps import METAL_SOURCE, find_compiler
 from mps_fused_adam.numerics import lowbit
-from mps_fused_adam.numerics.contract import RULES, AdamScalars
+from mps_fused_adam.numerics.contract import RULES, AdamScalars, element_rules
 from mps_fused_adam.backends.mps import KERNELS, METAL_RULES
 
 REPO = Path(__file__).resolve().parent.parent
 ADAM_TYPES = REPO / "src" / "cpu" / "adam_types.h"
+SCALAR_STRUCTS = REPO / "ci" / "scalar_structs.py"
 
 # struct format letter of each field type, per language.
 CPP_TYPES = {"float": "f", "uint32_t": "I"}
@@ -119,7 +124,7 @@ def test_parsers_read_what_they_should():
         struct_fields("struct S { float a[2]; };", "S", METAL_TYPES)
 
 
-@pytest.mark.parametrize("name", list(RULES))
+@pytest.mark.parametrize("name", element_rules())
 def test_cpp_scalar_struct_matches_contract(name):
     rules = cpp_rules()
     assert name in rules, f"contract rule {name!r} is not in MFA_RULES (src/cpu/adam_types.h)"
@@ -152,3 +157,21 @@ def test_metal_params_struct_matches_contract(name):
     states = re.search(r"kStates\s*=\s*(\d+)", body)
     assert states and int(states.group(1)) == len(METAL_RULES[name].states), rule_struct
 
+
+
+def test_structs_are_written_from_the_contract():
+    """The C++ and Metal scalar structs are ci/scalar_structs.py's output for the contract as it is
+    (run ``python ci/scalar_structs.py`` after changing a NamedTuple of contract.py)."""
+    proc = subprocess.run([sys.executable, str(SCALAR_STRUCTS), "--check"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_struct_writer_refuses_a_file_without_its_block():
+    spec = importlib.util.spec_from_file_location("scalar_structs_under_test", SCALAR_STRUCTS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(ValueError, match="expected one block"):
+        module.rewrite("struct AdamParams { float beta1; };", cpp=False)
+    text = module.rewrite(f"a\n{module.BEGIN}\nstale\n{module.END}\nb", cpp=True)
+    assert text.startswith("a\n" + module.BEGIN) and text.endswith(module.END + "\nb") and "stale" not in text
+    assert "struct AdamScalars {" in text and "uint32_t maximize;" in text

@@ -33,31 +33,66 @@ struct bf16 { uint16_t bits; };
 // from fp32 with the random bits of (Span::sr_key, element index).
 struct bf16sr { uint16_t bits; };
 
-// Adam's fp32 host scalars (numeric contract v2), in the order of contract.AdamScalars; Python
-// packs them with the rule's struct format ("<9f2I") and the Metal kernel reads the same bytes.
+// The rules' fp32 host scalars, one struct per rule, fields named and ordered as its
+// numerics/contract.py NamedTuple; Python packs them with the rule's struct format and the Metal
+// kernels read the same bytes (their Params structs are written from the same source).
+// BEGIN scalar structs: written by ci/scalar_structs.py from numerics/contract.py; do not edit
+// Adam (contract.AdamScalars).
 struct AdamScalars {
-  float beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, step_size, d2, decay;
-  uint32_t adam_w_mode, maximize;
-};
-static_assert(sizeof(AdamScalars) == 44, "AdamScalars must match contract.RULES['adam'].struct_format");
-
-// Lion's fp32 host scalars, in the order of contract.LionScalars (struct format "<6fI").
-struct LionScalars {
-  float lr, beta1, beta2, one_minus_beta1, one_minus_beta2, decay;
+  float beta1;
+  float beta2;
+  float one_minus_beta1;
+  float one_minus_beta2;
+  float eps;
+  float weight_decay;
+  float step_size;  // lr / bc1, bc1 = 1 - beta1^step (1 without bias correction)
+  float d2;  // 1 / sqrt(bc2), bc2 = 1 - beta2^step (1 without bias correction)
+  float decay;  // 1 - lr * wd in AdamW mode, 1 in L2 mode
+  uint32_t adam_w_mode;
   uint32_t maximize;
 };
-static_assert(sizeof(LionScalars) == 28, "LionScalars must match contract.RULES['lion'].struct_format");
-
-// Adagrad's fp32 host scalars, in the order of contract.AdagradScalars (struct format "<3f2I").
-struct AdagradScalars {
-  float clr, eps, weight_decay;
-  uint32_t l2, maximize;
+static_assert(sizeof(AdamScalars) == 44, "AdamScalars: see Adam (contract.AdamScalars)");
+// Lion (contract.LionScalars).
+struct LionScalars {
+  float lr;
+  float beta1;
+  float beta2;
+  float one_minus_beta1;
+  float one_minus_beta2;
+  float decay;  // 1 - lr * weight_decay
+  uint32_t maximize;
 };
-static_assert(sizeof(AdagradScalars) == 20, "AdagradScalars must match contract.RULES['adagrad'].struct_format");
+static_assert(sizeof(LionScalars) == 28, "LionScalars: see Lion (contract.LionScalars)");
+// Adagrad (contract.AdagradScalars).
+struct AdagradScalars {
+  float clr;  // lr / (1 + (step - 1) * lr_decay)
+  float eps;
+  float weight_decay;
+  uint32_t l2;  // weight_decay != 0
+  uint32_t maximize;
+};
+static_assert(sizeof(AdagradScalars) == 20, "AdagradScalars: see Adagrad (contract.AdagradScalars)");
+// 8-bit Adam on the CPU (contract.Adam8bitScalars).
+struct Adam8bitScalars {
+  float beta1;
+  float beta2;
+  float one_minus_beta1;
+  float one_minus_beta2;
+  float eps;
+  float weight_decay;
+  float step_size;  // lr / bc1
+  float d2;  // 1 / sqrt(bc2)
+  float decay;  // 1 - lr * wd in AdamW mode, 1 in L2 mode
+  float clip;  // bound of |m / denom| (normalized_step_bound, rounded up)
+  uint32_t adam_w_mode;
+  uint32_t maximize;
+};
+static_assert(sizeof(Adam8bitScalars) == 48, "Adam8bitScalars: see 8-bit Adam on the CPU (contract.Adam8bitScalars)");
+// END scalar structs
 
 // THE list of update rules: X(enum id, Python name, functor in rules.h, scalar struct, states).
-// Adding a rule: one line here, its functor in rules.h, its scalar struct above (fields named and
-// ordered as its contract.py NamedTuple: tests/test_scalar_layouts.py); every ISA x dtype pair is
+// Adding a rule: one line here, its functor in rules.h, its scalar struct above (written from its
+// contract.py NamedTuple by ci/scalar_structs.py); every ISA x dtype pair is
 // then instantiated from this list (kernel.h) and bound by name (bindings.cpp). The native parity
 // harness (tests/native/isa_parity.cpp) runs every rule of this list and needs its example scalars.
 // "floor" is the benchmark's memory floor: Adam's access pattern with trivial math, Adam's scalars;
@@ -98,13 +133,6 @@ using SpanFn = void (*)(const Span&, int64_t begin, int64_t end, const void* sca
 // ---- 8-bit block-wise Adam (lowbit.py's contract; adam8bit_kernel.h, adam8bit.cpp) ----------
 
 constexpr int64_t kQ8Block = 256;  // elements per block: one fp32 scale (absmax) per moment
-
-// lowbit.Adam8bitScalars: contract v2's Adam scalars with the clamp after `decay` ("<10f2I").
-struct Adam8bitScalars {
-  float beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, step_size, d2, decay, clip;
-  uint32_t adam_w_mode, maximize;
-};
-static_assert(sizeof(Adam8bitScalars) == 48, "must match lowbit.ADAM8BIT_STRUCT");
 
 // One 8-bit map as the CPU quantizer reads it (lowbit.kernel_table: the code values, and the
 // region constants of its nearest-code search, q8_search.h). A map's positive half has midpoints

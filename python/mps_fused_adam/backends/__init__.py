@@ -8,15 +8,17 @@ dtype, the states share one (possibly different) state dtype; all share one hype
 object of the rule. A backend never fails on such input, so a step that passed validation
 cannot leave tensors half-updated.
 
-The low-bit forms of Adam are rules of the same call, with ``sr_keys`` (one ``lowbit.sr_key``
-per param: bf16 params stored by stochastic rounding) and the plain ``AdamHyper``: ``"adam_sr"``
-(Adam's states, bf16 params) and ``"adam8bit"`` (``lowbit.ADAM8BIT``: states ``[exp_avg_codes,
-exp_avg_absmax, exp_avg_sq_codes, exp_avg_sq_absmax]``, codes of the param's shape and one fp32
-scale per block; ``sr_keys`` optional) and ``"adam4bit"`` (``lowbit4.ADAM4BIT``: the same four
-states in the same order, the codes packed two a byte, 1-D, one scale per 128 elements). Every
-backend runs them (the foreach tier through the Python reference). The Metal tiers' own per-tensor form of them (``AdamSRHyper``/
-``Adam8bitTensorHyper``, one key per call, ADAM8BIT's six buffers: ``mps.kernel_calls``) is
-taken too (:func:`lowbit_args`).
+The storage forms of Adam (the rules of ``contract.RULES`` with a ``base``) are rules of the
+same call, with ``sr_keys`` (one ``lowbit.sr_key`` per param: bf16 params stored by stochastic
+rounding) and the base rule's ``AdamHyper``: ``"adam_sr"`` (Adam's states, bf16 params) and the
+block-quantized ones (``Rule.blocks``; ``"adam8bit"``: states ``[exp_avg_codes, exp_avg_absmax,
+exp_avg_sq_codes, exp_avg_sq_absmax]``, codes of the param's shape and one fp32 scale per
+block; ``sr_keys`` optional; ``"adam4bit"``: the same four states in the same order, the codes
+packed two a byte, 1-D, one scale per 128 elements). Every backend runs them from their registry entry alone (the
+foreach tier through ``Rule.reference``). The Metal tiers' own per-tensor form of them
+(``Rule.hyper``: ``AdamSRHyper``/``Adam8bitTensorHyper``, one key per call, the rule's Metal
+buffers: ``mps.kernel_calls``) is taken too (:func:`lowbit_args`). Adam's ``sr_keys`` mode is
+its ``sr_rule``.
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
 
 import torch
 
-from ..numerics.contract import AdagradHyper, AdamHyper, LionHyper, adagrad_scalars, adam_scalars, lion_scalars
+from ..numerics.contract import RULES, AdagradHyper, AdamHyper, LionHyper, adagrad_scalars, adam_scalars, lion_scalars
+from ..numerics.contract import resolve
 from ..numerics.contract import rule as rule_spec
 from .addressing import Addressed, addresses, numels  # noqa: F401  (re-exported: the backends' shared input)
 from .kernel import Kernel, describe  # noqa: F401  (re-exported: the key of the Backend protocol)
@@ -60,33 +63,40 @@ class Backend(Protocol):
 
 def lowbit_args(rule: str, states: Sequence[TensorList], hp: Any, sr_keys: Optional[Sequence[int]], n: int
                 ) -> tuple[Sequence[TensorList], Any, Optional[Sequence[int]]]:
-    """A low-bit call's ``(states, AdamHyper, sr_keys)`` in the optimizers' form (module docstring),
-    from either form: the Metal tiers' per-tensor one (one key in the hyper; 8-bit: codes, codes,
-    scales, scales, maps) or the optimizers' own."""
+    """A storage form's call ``(states, base hyper, sr_keys)`` in the optimizers' form (module
+    docstring), from either form: the Metal tiers' per-tensor one (``Rule.hyper``: one key in the
+    hyper; a block-quantized rule's Metal buffers, ``Rule.states``) or the optimizers' own."""
     adam = getattr(hp, "adam", None)
     if adam is None:
         return states, hp, sr_keys
+    blocks = RULES[rule].blocks
+    if blocks is not None:
+        order = RULES[rule].states
+        states = [states[order.index(name)] for name in blocks.names]
     key = hp.sr_key
-    if rule in ("adam8bit", "adam4bit"):
-        codes1, codes2, absmax1, absmax2 = states[:4]
-        states = [codes1, absmax1, codes2, absmax2]
     return states, adam, None if key is None else [key] * n
 
 
-def _reference_lowbit(rule: str, params: TensorList, grads: TensorList, states: Sequence[TensorList], hp: Any,
-                      sr_keys: Optional[Sequence[int]] = None) -> None:
-    """The low-bit rules one tensor at a time through their Python reference (a correct, not a
-    fast, path: the tier of devices without a kernel of ours)."""
-    from ..numerics.reference_lowbit import reference_adam4bit_, reference_adam8bit_, reference_adam_sr_
+def sr_rule(rule: str, sr_keys: Optional[Sequence[int]]) -> str:
+    """The rule a call of ``rule`` runs: its ``sr_rule`` with ``sr_keys`` (Adam's keys: ``adam_sr``)."""
+    if sr_keys is None:
+        return rule
+    sr = rule_spec(rule).sr_rule
+    if sr is None:
+        raise NotImplementedError(f"rule {rule!r} has no stochastic-rounding form (contract.RULES)")
+    return sr
+
+
+def _reference_each(rule: str, params: TensorList, grads: TensorList, states: Sequence[TensorList], hp: Any,
+                    sr_keys: Optional[Sequence[int]] = None) -> None:
+    """A storage form one tensor at a time through its ``Rule.reference`` (a correct, not a fast,
+    path: the tier of devices without a kernel of ours)."""
+    rule = sr_rule(rule, sr_keys)
+    reference = resolve(rule_spec(rule).reference)
     states, hp, sr_keys = lowbit_args(rule, states, hp, sr_keys, len(params))
     keys = sr_keys if sr_keys is not None else [None] * len(params)
-    if rule in ("adam8bit", "adam4bit"):
-        step = reference_adam8bit_ if rule == "adam8bit" else reference_adam4bit_
-        for p, g, c1, a1, c2, a2, key in zip(params, grads, *states, keys):
-            step(p, g, c1, a1, c2, a2, hp, key)
-    else:
-        for p, g, m, v, key in zip(params, grads, *states, keys):
-            reference_adam_sr_(p, g, m, v, hp, key)
+    for p, g, *st, key in zip(params, grads, *states, keys):
+        reference(p, g, *st, hp, key)
 
 
 def _foreach_adam(params: TensorList, grads: TensorList, states: Sequence[TensorList], hp: AdamHyper) -> None:
@@ -167,46 +177,53 @@ class ForeachBackend:
     """
 
     name = "foreach"
-    RULES: dict[str, Callable[..., None]] = {"adam": _foreach_adam, "lion": _foreach_lion, "adagrad": _foreach_adagrad,
-                                             "adam_sr": _reference_lowbit, "adam8bit": _reference_lowbit,
-                                             "adam4bit": _reference_lowbit}
+    RULES: dict[str, Callable[..., None]] = {"adam": _foreach_adam, "lion": _foreach_lion, "adagrad": _foreach_adagrad}
 
     def unavailable(self, kernel: Kernel) -> Optional[str]:
-        """Every rule, ``adam8bit`` and ``adam4bit`` on the storage dtypes the kernels have: the
-        foreach tier is the last one, so it runs what any other does (the low-bit forms through
-        their references)."""
-        return _standard_kernel(kernel, self.RULES, "the foreach tier")
+        """Every rule on the storage dtypes the kernels have: the foreach tier is the last one, so it
+        runs what any other does (the storage forms through their ``Rule.reference``)."""
+        return _standard_kernel(kernel, {*self.RULES, *(n for n, r in RULES.items() if r.reference)},
+                                "the foreach tier")
 
     def prepare(self, kernels: Iterable[Kernel]) -> None:
         """Nothing to build; a kernel it does not run raises here, before anything is updated."""
         _require(self, kernels)
 
     def update(self, rule: str, params, grads, states, hp, sr_keys=None) -> None:
-        if rule in _LOWBIT_RULES or sr_keys is not None:
-            return _reference_lowbit(rule, params, grads, states, hp, sr_keys)
-        fn = self.RULES.get(rule)
+        fn = self.RULES.get(rule) if sr_keys is None else None
+        if fn is None and rule in RULES and RULES[sr_rule(rule, sr_keys)].reference:
+            return _reference_each(rule, params, grads, states, hp, sr_keys)
         if fn is None:
             raise NotImplementedError(f"the foreach tier has no form of rule {rule!r}")
         fn(params, grads, states, hp)
 
 
-_LOWBIT_RULES = ("adam_sr", "adam8bit", "adam4bit")
-_LOWBIT_STATE = {"adam8bit": (torch.uint8,), "adam4bit": (torch.uint8,)}  # rules whose states are not fp32 or the param dtype
+_SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "uint8": "uint8"}
 
 
 def _standard_kernel(kernel: Kernel, rules: Iterable[str], who: str) -> Optional[str]:
-    """Why ``who`` (a backend with a form of each rule of ``rules`` for every param dtype of
-    SUPPORTED_DTYPES with fp32 or same-dtype states) does not run ``kernel``, or None."""
+    """Why ``who`` (a backend with a form of each rule of ``rules`` for every dtype its
+    ``contract.RULES`` entry names: by default every param dtype of SUPPORTED_DTYPES, with fp32 or
+    same-dtype states) does not run ``kernel``, or None."""
     rule, p, s = kernel
-    if rule == "adam_sr" and p is not torch.bfloat16:
-        return f"{who} stores only bf16 params by stochastic rounding"
-    if rule not in rules:
+    spec = RULES.get(rule)
+    if spec is not None and spec.param_dtypes is not None and _name(p) not in spec.param_dtypes:
+        return f"{who} takes only {', '.join(_SHORT_DTYPES.get(d, d) for d in spec.param_dtypes)} params for rule {rule!r}"
+    if spec is None or rule not in rules:
         return f"{who} has no form of rule {rule!r}"
     if p not in SUPPORTED_DTYPES:
         return f"{who} has no kernel for {p} params"
-    if s not in _LOWBIT_STATE.get(rule, (torch.float32, p)):
+    if spec.state_dtypes is not None:
+        if _name(s) not in spec.state_dtypes:
+            return f"{who} has no {describe(kernel)} kernel (states: {', '.join(spec.state_dtypes)})"
+    elif s is not torch.float32 and s is not p:
         return f"{who} has no {describe(kernel)} kernel (states: float32 or the param dtype)"
     return None
+
+
+def _name(dtype: torch.dtype) -> str:
+    """A torch dtype as ``contract.Rule`` names it (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    return str(dtype).replace("torch.", "")
 
 
 def _require(backend: Any, kernels: Iterable[Kernel]) -> None:
@@ -228,14 +245,11 @@ class CPUBackend:
     def __init__(self) -> None:
         from .. import _cpu  # noqa: F401  (ImportError tells the caller why this tier is out)
         self._cpu = _cpu
-        rules = set(_cpu.rules())
-        if "adam" in rules:
-            rules.add("adam_sr")
-        if hasattr(_cpu, "adam8bit_step_many"):
-            rules.add("adam8bit")
-        if hasattr(_cpu, "adam4bit_step_many"):
-            rules.add("adam4bit")
-        self._rules = frozenset(rules)
+        # Its own rules (_cpu.rules()), a storage form of one through that rule's kernel with
+        # sr_keys, a block-quantized one through its entry (Rule.blocks.cpu_entry) where built.
+        own = set(_cpu.rules())
+        self._rules = frozenset(own | {name for name, r in RULES.items() if r.base in own and (
+            hasattr(_cpu, r.blocks.cpu_entry) if r.blocks else True)})
         self.simd = _cpu.simd_path()
         wanted = os.environ.get("MPS_FUSED_ADAM_SIMD")
         if wanted and wanted != self.simd:
@@ -257,11 +271,11 @@ class CPUBackend:
 
     def unavailable(self, kernel: Kernel) -> Optional[str]:
         """The rules this build of ``_cpu`` has (``_cpu.rules()``), on fp32, fp16 and bf16 params with
-        fp32 or same-dtype states; ``adam_sr`` as its Adam rule's bf16 stochastic-rounding store
-        (``sr_keys``), ``adam8bit`` through ``_cpu.adam8bit_step_many``, ``adam4bit`` (``lowbit4``'s
-        packed codes, states in ``adam8bit``'s order) through ``_cpu.adam4bit_step_many`` where this
-        build has it."""
-        return _standard_kernel(kernel, self._rules | {"adam_sr", "adam8bit"}, "the _cpu extension")
+        fp32 or same-dtype states; a storage form of one as its rule's kernel with ``sr_keys``
+        (``adam_sr``: the bf16 stochastic-rounding store), a block-quantized one through its
+        ``Rule.blocks.cpu_entry`` (``adam8bit``: ``_cpu.adam8bit_step_many``; ``adam4bit``:
+        ``_cpu.adam4bit_step_many``) where this build has it."""
+        return _standard_kernel(kernel, self._rules, "the _cpu extension")
 
     def prepare(self, kernels: Iterable[Kernel]) -> None:
         """Nothing to build (the kernels are compiled in); a kernel it does not run raises here."""
@@ -271,42 +285,29 @@ class CPUBackend:
         """``sr_keys``: for bf16 params, one ``lowbit.sr_key`` per param to store them by
         stochastic rounding (lowbit.py's contract); None rounds to nearest even. The low-bit
         rules as the module docstring says, in one call for all the tensors."""
-        if rule in _LOWBIT_RULES:
+        spec = RULES.get(rule)
+        if spec is not None and spec.base is not None:
             states, hp, sr_keys = lowbit_args(rule, states, hp, sr_keys, len(params))
-            if rule == "adam8bit":
-                return self._adam8bit(params, grads, states, hp, sr_keys)
-            if rule == "adam4bit":
-                return self._adam4bit(params, grads, states, hp, sr_keys)
-            rule = "adam"
+            if spec.blocks is not None:
+                return self._blocks(spec, params, grads, states, hp, sr_keys)
+            rule = spec.base
         self._cpu.step(
             rule, addresses(params), addresses(grads), [addresses(lst) for lst in states], numels(params),
             _DTYPE_CODES[params[0].dtype], _DTYPE_CODES[states[0][0].dtype],
             packed_scalars(rule, hp), torch.get_num_threads(), sr_keys,
         )
 
-    def _adam8bit(self, params, grads, states, hp, sr_keys) -> None:
-        """One ``adam8bit_step_many`` call: the tensors' blocks are shared among the threads as one range."""
-        from ..numerics import lowbit
+    def _blocks(self, spec: Any, params, grads, states, hp, sr_keys) -> None:
+        """One call of the rule's ``Rule.blocks.cpu_entry`` (``adam8bit_step_many``'s arguments): the
+        tensors' blocks are shared among the threads as one range."""
         n = len(params)
-        codes1, absmax1, codes2, absmax2 = states
-        self._cpu.adam8bit_step_many(
-            addresses(params), addresses(grads), addresses(codes1), addresses(absmax1), addresses(codes2),
-            addresses(absmax2), numels(params), [_DTYPE_CODES[params[0].dtype]] * n,
-            lowbit.kernel_table(True).data_ptr(), lowbit.kernel_table(False).data_ptr(),
-            [packed_scalars("adam8bit", hp)] * n, [0] * n if sr_keys is None else list(sr_keys),
+        table1, table2 = resolve(spec.blocks.tables)("cpu")
+        getattr(self._cpu, spec.blocks.cpu_entry)(
+            addresses(params), addresses(grads), *(addresses(lst) for lst in states), numels(params),
+            [_DTYPE_CODES[params[0].dtype]] * n, table1.data_ptr(), table2.data_ptr(),
+            [packed_scalars(spec.name, hp)] * n, [0] * n if sr_keys is None else list(sr_keys),
             [int(sr_keys is not None)] * n, torch.get_num_threads())
 
-    def _adam4bit(self, params, grads, states, hp, sr_keys) -> None:
-        """One ``adam4bit_step_many`` call (``adam8bit_step_many``'s arguments, the 4-bit maps' tables)."""
-        from ..numerics import lowbit4
-        n = len(params)
-        codes1, absmax1, codes2, absmax2 = states
-        self._cpu.adam4bit_step_many(
-            addresses(params), addresses(grads), addresses(codes1), addresses(absmax1), addresses(codes2),
-            addresses(absmax2), numels(params), [_DTYPE_CODES[params[0].dtype]] * n,
-            lowbit4.kernel_table4(True).data_ptr(), lowbit4.kernel_table4(False).data_ptr(),
-            [packed_scalars("adam4bit", hp)] * n, [0] * n if sr_keys is None else list(sr_keys),
-            [int(sr_keys is not None)] * n, torch.get_num_threads())
 
 
 _PACKED: dict[tuple, tuple[Any, bytes]] = {}
@@ -319,9 +320,9 @@ def packed_scalars(rule: str, hp: Any) -> bytes:
     whole step path. The key holds the
     sign of every zero field besides ``hp`` (whose equality takes -0.0 for 0.0, which the kernels
     may not); an entry counts only for the very rule object that packed it, so a rule replaced in
-    ``contract.RULES`` (as the self-check's tests do) is packed afresh. Rule ``"adam8bit"``: the
-    8-bit kernels' scalars of ``AdamHyper`` ``hp`` (``lowbit.pack_adam8bit``), and so ``"adam4bit"``'s."""
-    spec = _ADAM8BIT_PACKER if rule in ("adam8bit", "adam4bit") else rule_spec(rule)
+    ``contract.RULES`` (as the self-check's tests do) is packed afresh. The struct is the one the
+    CPU kernel reads (``Rule.host_pack``: a block-quantized rule's of its ``AdamHyper`` ``hp``)."""
+    spec = rule_spec(rule)
     try:
         key = (rule, hp, tuple(math.copysign(1.0, v) for v in vars(hp).values() if v == 0))
         packer, packed = _PACKED[key]
@@ -330,22 +331,12 @@ def packed_scalars(rule: str, hp: Any) -> bytes:
     except KeyError:
         pass
     except TypeError:  # an unhashable field: no memo
-        return spec.pack(hp)
-    packed = spec.pack(hp)
+        return spec.host_pack(hp)
+    packed = spec.host_pack(hp)
     if len(_PACKED) >= _PACKED_MAX:
         _PACKED.clear()
     _PACKED[key] = (spec, packed)
     return packed
-
-
-class _Adam8bitPacker:
-    @staticmethod
-    def pack(hp: Any) -> bytes:
-        from ..numerics.lowbit import pack_adam8bit
-        return pack_adam8bit(hp)
-
-
-_ADAM8BIT_PACKER = _Adam8bitPacker()
 
 
 class TorchFusedBackend:

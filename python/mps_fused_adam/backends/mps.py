@@ -34,9 +34,7 @@ import torch
 
 from .addressing import addresses, numels
 from .kernel import Kernel, describe
-from ..numerics.contract import RULES, AdamHyper, rule as rule_spec
-from ..numerics.lowbit import ADAM8BIT, ADAM_SR, Adam8bitTensorHyper, AdamSRHyper, kernel_table
-from ..numerics.lowbit4 import ADAM4BIT, kernel_table4
+from ..numerics.contract import RULES, AdamHyper, resolve, rule as rule_spec
 
 ELEMS_PER_THREAD = 4
 # 2^30 threads cover 2^32 elements: thread_position_in_grid is a 32-bit uint, and keeping each
@@ -63,25 +61,25 @@ METALLIB_NAME = "fused_adam.metallib"
 METAL_SOURCE_NAME = "fused_adam.metal"
 
 # Storage dtype names as the kernels' host names spell them.
-_DTYPE_NAMES = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat"}
+_DTYPE_NAMES = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat", torch.uint8: "uchar"}
+PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# The rules the Metal kernels run: contract.RULES, Adam storing a bf16 param by stochastic
-# rounding (lowbit.ADAM_SR, bf16 params only), and the block-wise 8-bit and 4-bit Adam rules.
-METAL_RULES = {**RULES, ADAM_SR.name: ADAM_SR, ADAM8BIT.name: ADAM8BIT, ADAM4BIT.name: ADAM4BIT}
-# The block-wise rules' map tables, signed (first moment) and unsigned (second), on a device.
-LOWBIT_TABLES: dict[str, Callable[[bool, Any], torch.Tensor]] = {ADAM8BIT.name: kernel_table,
-                                                                 ADAM4BIT.name: kernel_table4}
+# The rules the Metal kernels run: every rule of contract.RULES (the name is kept for the tests).
+METAL_RULES = RULES
 
-# (rule, param dtype, state dtype) -> kernel host name; states are fp32 or the param dtype
-# (8-bit and 4-bit Adam: uint8 codes, any param dtype).
+
+def _dtypes(names: Optional[tuple[str, ...]], default: tuple[torch.dtype, ...]) -> tuple[torch.dtype, ...]:
+    return default if names is None else tuple(getattr(torch, n) for n in names)
+
+
+# (rule, param dtype, state dtype) -> kernel host name ``fused_<rule>_<P>_<S>``, for the dtypes
+# each rule's entry names (by default fp32, fp16, bf16 params with fp32 or same-dtype states;
+# adam_sr: bf16 params; 8-bit Adam: uint8 codes).
 KERNELS = {
     Kernel(r, p, s): f"fused_{r}_{_DTYPE_NAMES[p]}_{_DTYPE_NAMES[s]}"
-    for r in RULES for p in _DTYPE_NAMES for s in (torch.float32, p)
+    for r, spec in RULES.items() for p in _dtypes(spec.param_dtypes, PARAM_DTYPES)
+    for s in _dtypes(spec.state_dtypes, (torch.float32, p))
 }
-KERNELS.update({Kernel(ADAM_SR.name, torch.bfloat16, s): f"fused_{ADAM_SR.name}_bfloat_{_DTYPE_NAMES[s]}"
-                for s in (torch.float32, torch.bfloat16)})
-KERNELS.update({Kernel(r, p, torch.uint8): f"fused_{r}_{_DTYPE_NAMES[p]}_uchar"
-                for r in LOWBIT_TABLES for p in _DTYPE_NAMES})
 _BY_NAME = {name: k for k, name in KERNELS.items()}
 # The kernel every tier must run to be used at all: its first-use probe is this kernel's.
 BASE_KERNEL = Kernel("adam", torch.float32, torch.float32)
@@ -116,22 +114,26 @@ def fast_math_note(backend_name: str, environ: Mapping[str, str] = os.environ) -
 def kernel_calls(rule: str, params, grads, states, hp, sr_keys=None):
     """The Metal kernel calls ``(rule, params, grads, states, hyper)`` of one backend call: itself
     (a call in the kernels' own form included: ``AdamSRHyper``/``Adam8bitTensorHyper``), or, for
-    the low-bit rules in the optimizers' form (``backends``' docstring), one call per tensor (the key
-    is per tensor) in the kernels' buffer order (codes, codes, scales, scales, then the two maps:
-    ``lowbit.kernel_table`` for 8-bit, ``lowbit4.kernel_table4`` for 4-bit)."""
+    a storage form in the optimizers' form (``backends``' docstring) and for Adam's ``sr_keys``
+    mode (its ``sr_rule``), one call per tensor (the key is per tensor) with ``Rule.hyper(hp,
+    key)``, a block-quantized rule's states in its Metal buffer order (``Rule.states``: the
+    states by name, then its tables)."""
     if hasattr(hp, "adam"):
         yield rule, params, grads, states, hp
-    elif rule in LOWBIT_TABLES:
-        table = LOWBIT_TABLES[rule]
-        for i, (p, g, c1, a1, c2, a2) in enumerate(zip(params, grads, *states)):
-            maps = [[table(True, p.device)], [table(False, p.device)]]
-            yield (rule, [p], [g], [[c1], [c2], [a1], [a2], *maps],
-                   Adam8bitTensorHyper(hp, None if sr_keys is None else sr_keys[i]))
-    elif rule == ADAM_SR.name or sr_keys is not None:
-        for p, g, m, v, key in zip(params, grads, *states, sr_keys):
-            yield ADAM_SR.name, [p], [g], [[m], [v]], AdamSRHyper(hp, key)
-    else:
+        return
+    if sr_keys is not None:
+        rule = rule_spec(rule).sr_rule or rule
+    spec = rule_spec(rule)
+    if spec.base is None:
         yield rule, params, grads, states, hp
+        return
+    blocks, tables = spec.blocks, []
+    order = range(len(states)) if blocks is None else [blocks.names.index(n) for n in spec.states[:len(blocks.names)]]
+    for i, (p, g, *st) in enumerate(zip(params, grads, *states)):
+        if blocks is not None and (not tables or tables[0].device != p.device):
+            tables = list(resolve(blocks.tables)(p.device))
+        yield (rule, [p], [g], [[st[k]] for k in order] + [[t] for t in tables],
+               spec.hyper(hp, None if sr_keys is None else sr_keys[i]))
 
 
 def kernel_name(rule: str, param_dtype: torch.dtype, state_dtype: torch.dtype) -> str:
@@ -141,8 +143,7 @@ def kernel_name(rule: str, param_dtype: torch.dtype, state_dtype: torch.dtype) -
 def pack_params(hp: AdamHyper, rule: str = "adam") -> bytes:
     """The rule's scalar struct as the kernels read it (Adam: 44 bytes, little-endian as on every
     Apple GPU)."""
-    spec = METAL_RULES.get(rule)
-    return (spec or rule_spec(rule)).pack(hp)  # rule_spec: a KeyError naming the known rules
+    return rule_spec(rule).pack(hp)  # a KeyError naming the known rules
 
 
 def params_as_words(packed: bytes) -> list[int]:
@@ -218,11 +219,13 @@ def missing_metallib(path: Path) -> FileNotFoundError:
 
 
 def _forms(kernel: Kernel) -> tuple[Kernel, ...]:
-    """The Metal kernels that one backend kernel may run: Adam on bf16 params also runs as
-    ``adam_sr`` (its ``sr_keys`` mode, :func:`kernel_calls`), so a tier takes such a bucket only
-    when it runs both."""
-    if kernel.rule == "adam" and kernel.param_dtype is torch.bfloat16:
-        return kernel, Kernel(ADAM_SR.name, kernel.param_dtype, kernel.state_dtype)
+    """The Metal kernels that one backend kernel may run: a rule on bf16 params also runs as its
+    ``sr_rule`` (Adam as ``adam_sr``: its ``sr_keys`` mode, :func:`kernel_calls`), so a tier takes
+    such a bucket only when it runs both."""
+    spec = RULES.get(kernel.rule)
+    sr = spec.sr_rule if spec is not None else None
+    if sr is not None and sr != kernel.rule and kernel.param_dtype is torch.bfloat16:
+        return kernel, Kernel(sr, kernel.param_dtype, kernel.state_dtype)
     return (kernel,)
 
 
@@ -300,8 +303,8 @@ class MetalExtBackend(_PerKernel):
             self.run_kernel(*call)
 
     def run_kernel(self, rule: str, params, grads, states, hp) -> None:
-        """One kernel of KERNELS with its own arguments (lowbit.ADAM8BIT's buffer order and
-        hyperparameters; ``adam_sr``: ``AdamSRHyper``): what the probes run."""
+        """One kernel of KERNELS with its own arguments (a storage form's ``Rule.hyper`` and, when
+        block-quantized, its Metal buffers, ``Rule.states``): what the probes run."""
         b = self._buffer_of
         if b is mps_buffer:  # the same triples, fewer reads per tensor
             n = numels(params)  # grads and states have their param's shape (validated)
@@ -366,38 +369,32 @@ PROBE_SEED = 0x5EED  # the stochastic-rounding seed of the probes' second step
 def _probe_inputs(kernel: Kernel, n: int) -> tuple[list[torch.Tensor], list[Any], Callable[..., None]]:
     """``(tensors, hypers, reference)`` of ``kernel``'s probe: param, grad and the kernel's state
     tensors (in kernel order) on the CPU, the hyperparameters of each step (each rule's two
-    example modes, the second also with maximize; the low-bit rules with and without their key),
-    and ``reference(tensors, hp)``, which steps CPU tensors in place."""
-    from ..numerics import lowbit, lowbit4
+    example modes, the second also with maximize; a storage form those of its base rule with and
+    without a key: the key on both steps where the rule takes only bf16 params, else on the
+    second for bf16 params), and ``reference(tensors, hp)``, which steps CPU tensors in place."""
+    from ..numerics import lowbit
     from ..numerics.contract import example
     from ..numerics.reference import REFERENCES
-    from ..numerics.reference_lowbit import reference_adam4bit_, reference_adam8bit_, reference_adam_sr_
     rule, pdt, sdt = kernel
+    spec = RULES[rule]
     gen = torch.Generator().manual_seed(0)
     p, g = torch.randn(n, generator=gen).to(pdt), torch.randn(n, generator=gen).to(pdt)
-    adam = [example("adam").hyper(1, adam_w_mode=True), example("adam").hyper(2, maximize=True, adam_w_mode=False)]
-    if rule in LOWBIT_TABLES:  # fresh states: every moment 0.0 under zero scales
-        if rule == ADAM8BIT.name:
-            nb, ref = lowbit.num_blocks(n), reference_adam8bit_
-            codes = [torch.full((n,), lowbit.SIGNED_ZERO_CODE, dtype=torch.uint8),
-                     torch.full((n,), lowbit.UNSIGNED_ZERO_CODE, dtype=torch.uint8)]
-        else:
-            nb, ref = lowbit4.num_blocks4(n), reference_adam4bit_
-            codes = [lowbit4.fresh_codes4(n, True), lowbit4.fresh_codes4(n, False)]
-        table = LOWBIT_TABLES[rule]
-        states = [*codes, torch.zeros(nb), torch.zeros(nb), table(True, "cpu"), table(False, "cpu")]
-        key = lowbit.sr_key(PROBE_SEED, 2) if pdt is torch.bfloat16 else None
-        hypers = [lowbit.Adam8bitTensorHyper(adam[0]), lowbit.Adam8bitTensorHyper(adam[1], key)]
-        return [p, g, *states], hypers, lambda t, hp: ref(t[0], t[1], t[2], t[4], t[3], t[5], hp.adam, hp.sr_key)
-    if rule == ADAM_SR.name:
-        states = [(0.1 * torch.randn(n, generator=gen)).to(sdt), (0.01 * torch.rand(n, generator=gen)).to(sdt)]
-        hypers = [lowbit.AdamSRHyper(hp, lowbit.sr_key(PROBE_SEED, hp.step)) for hp in adam]
-        return [p, g, *states], hypers, lambda t, hp: reference_adam_sr_(*t, hp.adam, hp.sr_key)
-    ex = example(rule)
-    states = [((0.01 * torch.rand(n, generator=gen)) if name in ex.nonnegative else
-               (0.1 * torch.randn(n, generator=gen))).to(sdt) for name in RULES[rule].states]
+    ex = example(spec.base or rule)
     hypers = [ex.hyper(1, **ex.modes[0]), ex.hyper(2, **{"maximize": True, **ex.modes[1]})]
-    return [p, g, *states], hypers, lambda t, hp: REFERENCES[rule](t[0], t[1], t[2:], hp)
+    if spec.blocks is not None:
+        fresh = dict(zip(spec.blocks.names, resolve(spec.blocks.new_states)((n,), "cpu")))
+        states = [fresh[name] for name in spec.states[:len(fresh)]] + list(resolve(spec.blocks.tables)("cpu"))
+    else:
+        states = [((0.01 * torch.rand(n, generator=gen)) if name in ex.nonnegative else
+                   (0.1 * torch.randn(n, generator=gen))).to(sdt) for name in spec.states]
+    if spec.base is None:
+        return [p, g, *states], hypers, lambda t, hp: REFERENCES[rule](t[0], t[1], t[2:], hp)
+    keyed = [pdt is torch.bfloat16 and (i > 0 or spec.param_dtypes is not None) for i in range(len(hypers))]
+    hypers = [spec.hyper(hp, lowbit.sr_key(PROBE_SEED, hp.step) if k else None) for hp, k in zip(hypers, keyed)]
+    reference = resolve(spec.reference)
+    names = spec.blocks.names if spec.blocks is not None else spec.states
+    at = [2 + spec.states.index(name) for name in names]  # the reference's state order in ``tensors``
+    return [p, g, *states], hypers, lambda t, hp: reference(t[0], t[1], *(t[k] for k in at), hp.adam, hp.sr_key)
 
 
 def _differs(got: torch.Tensor, want: torch.Tensor) -> Optional[str]:
@@ -444,9 +441,9 @@ def probe_kernel(backend: Any, kernel: Kernel, device: str | torch.device, n: in
         got = [t.cpu() for t in ours]  # waits for the GPU
     except Exception as exc:
         return f"{what} failed: {exc!r}"
-    names = ["param", *(RULES.get(kernel.rule) or METAL_RULES[kernel.rule]).states]
-    if kernel.rule in LOWBIT_TABLES:
-        names = names[:5]  # the maps are read-only tables, not outputs
+    spec = RULES[kernel.rule]
+    # A block-quantized rule's tables are read-only inputs, not outputs.
+    names = ["param", *spec.states[:len(spec.states) if spec.blocks is None else len(spec.blocks.names)]]
     for name, k in zip(names, [0, *range(2, len(start))]):
         wrong = _differs(got[k], want[k])
         if wrong is not None:

@@ -49,7 +49,10 @@ from typing import NamedTuple
 
 import torch
 
-from .contract import AdamHyper, Rule, adam_scalars
+from .contract import (  # noqa: F401  (the host scalars of this contract live with the others')
+    ADAM8BIT_STRUCT, CLIP_MARGIN, RULES, Adam8bitScalars, Adam8bitTensorHyper, AdamHyper, AdamSRHyper,
+    _f32_up, adam8bit_scalars, adam8bit_tensor_scalars, adam_sr_scalars, normalized_step_bound, pack_adam8bit,
+)
 
 BLOCK = 256
 MIN_8BIT_SIZE = 4096
@@ -57,22 +60,10 @@ SIGNED_ZERO_CODE = 127  # index of 0.0 in the signed map
 UNSIGNED_ZERO_CODE = 0  # index of 0.0 in the unsigned map
 _M32 = 0xFFFFFFFF
 BF16_NAN = 0x7FC0
-# The clamp sits this factor above the exact bound, so fp32 rounding of exact Adam (a few ulps)
-# never reaches it.
-CLIP_MARGIN = 1.0 + 2.0 ** -12
 
 
 def _f32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
-
-
-def _f32_up(x: float) -> float:
-    """The smallest fp32 value >= x (x finite and positive)."""
-    r = _f32(x)
-    if r < x:
-        bits = struct.unpack("<I", struct.pack("<f", r))[0]
-        r = struct.unpack("<f", struct.pack("<I", bits + 1))[0]
-    return r
 
 
 @lru_cache(maxsize=None)
@@ -117,62 +108,6 @@ def code_midpoints(signed: bool, device: torch.device | str = "cpu") -> torch.Te
 
 def num_blocks(numel: int) -> int:
     return -(-int(numel) // BLOCK)
-
-
-class Adam8bitScalars(NamedTuple):
-    """Contract v2's Adam scalars (``contract.AdamScalars``, same order) plus the 8-bit rule's
-    clamp, all fp32; the kernels' ``Adam8bitParams`` struct in this order (10 floats, 2 uints)."""
-
-    beta1: float
-    beta2: float
-    one_minus_beta1: float
-    one_minus_beta2: float
-    eps: float
-    weight_decay: float
-    step_size: float  # lr / bc1
-    d2: float  # 1 / sqrt(bc2)
-    decay: float  # 1 - lr * wd in AdamW mode, 1 in L2 mode
-    clip: float  # bound of |m / denom| (normalized_step_bound, rounded up)
-    adam_w_mode: int
-    maximize: int
-
-
-def normalized_step_bound(beta1: float, beta2: float, step: int, bias_correction: bool) -> float:
-    """The largest ``|m| * sqrt(bc2) / sqrt(v)`` exact Adam can reach at ``step`` (Cauchy-Schwarz
-    over the gradient history), in double."""
-    r = beta1 * beta1 / beta2 if beta2 > 0 else math.inf
-    if beta1 == 0.0:
-        s = 1.0
-    elif r == 1.0:
-        s = float(step)
-    elif math.isinf(r):  # beta2 == 0 and beta1 > 0: v is the last g^2 alone, m is unbounded by it
-        return math.inf
-    else:
-        # (1 - r^t) / (1 - r), written to stay finite for r > 1 and accurate for r near 1; past
-        # double's range (r > 1 at a large step: betas (0.9, 0.8) from step 57,140) no bound.
-        try:
-            s = math.expm1(step * math.log(r)) / (r - 1.0) if r > 0 else 1.0
-        except OverflowError:
-            return math.inf
-    bc2 = 1.0 - beta2 ** step if bias_correction else 1.0
-    return (1.0 - beta1) * math.sqrt(bc2 * s / (1.0 - beta2))
-
-
-def adam8bit_scalars(hp) -> Adam8bitScalars:
-    """The fp32 scalars of one 8-bit Adam call for :class:`~.contract.AdamHyper` ``hp``:
-    ``contract.adam_scalars(hp)`` with the clamp inserted after ``decay``."""
-    a = adam_scalars(hp)
-    bound = normalized_step_bound(hp.beta1, hp.beta2, hp.step, hp.bias_correction) * CLIP_MARGIN
-    clip = math.inf if bound > 3.4e38 else _f32_up(bound)
-    return Adam8bitScalars(*a[:9], clip, *a[9:])
-
-
-ADAM8BIT_STRUCT = "<10f2I"  # the kernels' Adam8bitScalars: 48 bytes, little-endian
-
-
-def pack_adam8bit(hp) -> bytes:
-    """:func:`adam8bit_scalars` as the C++ and Metal kernels read them."""
-    return struct.pack(ADAM8BIT_STRUCT, *adam8bit_scalars(hp))
 
 
 # The kernels' quantizer (the nearest-code search, without a search): a map's positive half is
@@ -318,41 +253,22 @@ def new_sr_seed(generator: torch.Generator | None = None) -> int:
     return (hi << 32) | lo
 
 
-@dataclass(frozen=True)
-class AdamSRHyper:
-    """One Adam step of one tensor whose bf16 parameter is stored by stochastic rounding: the
-    Adam hyperparameters and the tensor's :func:`sr_key` for this step."""
-
-    adam: AdamHyper
-    sr_key: int
-
-
-def adam_sr_scalars(hp: AdamSRHyper) -> tuple:
-    """Adam's host scalars (contract v2), then the 32-bit key."""
-    return (*adam_scalars(hp.adam), hp.sr_key & _M32)
+def new_adam8bit_states(shape: tuple[int, ...] | torch.Size, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """A param's fresh 8-bit states (``contract.RULES["adam8bit"].blocks.names``' order): codes of
+    the param's shape standing for 0 and one fp32 zero scale per block, for each moment."""
+    n = math.prod(shape)
+    nb = num_blocks(n)
+    return [torch.full(tuple(shape), SIGNED_ZERO_CODE, dtype=torch.uint8, device=device),
+            torch.zeros(nb, dtype=torch.float32, device=device),
+            torch.full(tuple(shape), UNSIGNED_ZERO_CODE, dtype=torch.uint8, device=device),
+            torch.zeros(nb, dtype=torch.float32, device=device)]
 
 
-# The Metal kernels' rule for it (fused_adam_sr_bfloat_*): Adam's states and struct plus the key.
-# Not in contract.RULES: the CPU kernel runs it as a param storage (bf16sr) of the Adam rule.
-ADAM_SR = Rule("adam_sr", ("exp_avg", "exp_avg_sq"), AdamSRHyper, adam_sr_scalars, "<9f3I")
+def adam8bit_tables(device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8-bit kernels' two read-only tables (:func:`kernel_table`, signed then unsigned) on ``device``."""
+    return kernel_table(True, device), kernel_table(False, device)
 
 
-@dataclass(frozen=True)
-class Adam8bitTensorHyper:
-    """One 8-bit Adam step of one tensor on the Metal kernels: the Adam hyperparameters and, for
-    a bf16 param stored by stochastic rounding, its :func:`sr_key` for this step (else None)."""
-
-    adam: AdamHyper
-    sr_key: int | None = None
-
-
-def adam8bit_tensor_scalars(hp: Adam8bitTensorHyper) -> tuple:
-    """:func:`adam8bit_scalars`, then the stochastic-rounding switch and key."""
-    key = hp.sr_key
-    return (*adam8bit_scalars(hp.adam), int(key is not None), 0 if key is None else key & _M32)
-
-
-# The Metal kernels' 8-bit rule (fused_adam8bit_*_uchar): buffers param, grad, then these six
-# (codes and block scales of both moments, then the two kernel_table maps); struct "<10f4I".
-ADAM8BIT = Rule("adam8bit", ("exp_avg_codes", "exp_avg_sq_codes", "exp_avg_absmax", "exp_avg_sq_absmax",
-                             "map1", "map2"), Adam8bitTensorHyper, adam8bit_tensor_scalars, "<10f4I")
+# The registry's entries of these rules (kept under their old names).
+ADAM_SR = RULES["adam_sr"]
+ADAM8BIT = RULES["adam8bit"]

@@ -53,7 +53,7 @@ from functools import lru_cache
 
 import torch
 
-from .contract import Rule
+from .contract import RULES
 from .lowbit import (Adam8bitScalars, Adam8bitTensorHyper, adam8bit_scalars, adam8bit_tensor_scalars,  # noqa: F401
                      pack_adam8bit)
 
@@ -155,7 +155,21 @@ def fresh_codes4(numel: int, signed: bool, device: torch.device | str = "cpu") -
     return out
 
 
-# The Metal kernels' 4-bit rule (fused_adam4bit_*_uchar): ADAM8BIT's buffers (param, grad, codes1,
-# codes2, absmax1, absmax2, the two kernel_table4 maps) and struct.
-ADAM4BIT = Rule("adam4bit", ("exp_avg_codes", "exp_avg_sq_codes", "exp_avg_absmax", "exp_avg_sq_absmax",
-                             "map1", "map2"), Adam8bitTensorHyper, adam8bit_tensor_scalars, "<10f4I")
+def new_adam4bit_states(shape: tuple[int, ...] | torch.Size, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """A param's fresh 4-bit states (``contract.RULES["adam4bit"].blocks.names``' order): packed codes
+    standing for 0 (1-D, :func:`packed_size` bytes) and one fp32 zero scale per block, for each moment."""
+    n = 1
+    for d in shape:
+        n *= int(d)
+    nb = num_blocks4(n)
+    return [fresh_codes4(n, True, device), torch.zeros(nb, dtype=torch.float32, device=device),
+            fresh_codes4(n, False, device), torch.zeros(nb, dtype=torch.float32, device=device)]
+
+
+def adam4bit_tables(device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """The 4-bit kernels' two read-only tables (:func:`kernel_table4`, signed then unsigned) on ``device``."""
+    return kernel_table4(True, device), kernel_table4(False, device)
+
+
+# The registry's entry of the 4-bit rule (contract.RULES: the 8-bit rule's buffers and struct).
+ADAM4BIT = RULES["adam4bit"]

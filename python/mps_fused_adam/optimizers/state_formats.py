@@ -1,7 +1,7 @@
 """State formats: how an optimizer keeps a param's rule state, as a policy of the one optimizer base.
 
 A *format* creates a param's state tensors, checks existing (or loaded) ones, re-takes them from a
-state dict and names the backend rule (``contract.RULES``; 8-bit: ``lowbit.ADAM8BIT``) whose kernel
+state dict and names the backend rule (``contract.RULES``; 8-bit: ``"adam8bit"``) whose kernel
 updates them. A *policy* picks the format of each param: every class but the 8-bit ones has one
 format (:class:`Moments`: the rule's states in one dtype and the param's shape); the 8-bit classes
 keep block-wise codes (:class:`Blockwise8bit`) and fp32 moments below ``min_8bit_size``, the
@@ -18,8 +18,7 @@ import torch
 from . import validate
 from ..numerics.contract import RULES
 from ..numerics import lowbit4, reference_lowbit
-from ..numerics.lowbit import ADAM8BIT, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE, num_blocks
-from ..numerics.lowbit4 import ADAM4BIT
+from ..numerics.lowbit import SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE, num_blocks
 
 SEED_KEY = "sr_seed"  # a bf16 param's stochastic-rounding seed, in its state (sr_seeds.py)
 
@@ -32,7 +31,8 @@ class Moments:
 
     def __init__(self, rule: str, dtype: Optional[torch.dtype] = None) -> None:
         self.rule = rule
-        self.sr_rule = f"{rule}_sr"  # the rule with bf16 params stored by stochastic rounding (Adam's)
+        # The rule with bf16 params stored by stochastic rounding (Adam's adam_sr; the others have none).
+        self.sr_rule = RULES[rule].sr_rule or rule
         self.names: tuple[str, ...] = RULES[rule].states
         self.dtype = dtype
 
@@ -153,8 +153,8 @@ class Blockwise8bit(_Blockwise):
     """Both Adam moments as uint8 codes of the param's shape and one fp32 scale per block of
     ``lowbit.BLOCK`` elements (``lowbit.py``'s contract; bitsandbytes' layout and key names)."""
 
-    rule = sr_rule = ADAM8BIT.name
-    names = ("exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_codes", "exp_avg_sq_absmax")
+    rule = sr_rule = "adam8bit"  # stochastic rounding: a switch of the same kernel (its sr_rule)
+    names = RULES[rule].blocks.names  # the backends' order of the rule's state lists
 
     def codes_shape(self, p: torch.Tensor) -> tuple[int, ...]:
         return tuple(p.shape)
@@ -187,8 +187,8 @@ class Blockwise4bit(_Blockwise):
     bytes whatever the param's shape) and one fp32 scale per block of ``lowbit4.BLOCK4``
     elements (``lowbit4.py``'s contract; torchao's maps, blocks and packing)."""
 
-    rule = sr_rule = ADAM4BIT.name
-    names = ("exp_avg_codes4", "exp_avg_absmax4", "exp_avg_sq_codes4", "exp_avg_sq_absmax4")
+    rule = sr_rule = "adam4bit"
+    names = RULES[rule].blocks.names
 
     def codes_shape(self, p: torch.Tensor) -> tuple[int, ...]:
         return (lowbit4.packed_size(p.numel()),)

@@ -13,16 +13,18 @@ from typing import Callable
 
 import torch
 
-from ..numerics import lowbit, lowbit4
-from ..numerics.contract import RULES, AdamHyper, example
+from ..numerics import lowbit
+from ..numerics.contract import RULES, AdamHyper, element_rules, example, resolve
 from .timing import bytes_per_elem, interleaved
 
-# Rules after Adam: (rule, param dtype, state dtype): every other rule of contract.RULES in fp32,
-# then the low-bit variants. Bytes per element: bytes_moved().
-RULE_CASES = ([(name, torch.float32, torch.float32) for name in RULES if name != "adam"]
-              + [("adam_sr", torch.bfloat16, torch.float32), ("adam8bit", torch.float32, torch.uint8),
-                 ("adam8bit", torch.bfloat16, torch.uint8), ("adam4bit", torch.float32, torch.uint8),
-                 ("adam4bit", torch.bfloat16, torch.uint8)])
+# Rules after Adam: (rule, param dtype, state dtype): every other rule of contract.RULES with its
+# own element math in fp32, then the storage forms of Adam: stochastic rounding (bf16 params, fp32
+# states), each block-quantized rule with fp32 and bf16 params. Bytes per element: bytes_moved().
+RULE_CASES = ([(name, torch.float32, torch.float32) for name in element_rules() if name != "adam"]
+              + [(name, getattr(torch, r.param_dtypes[0]), torch.float32) for name, r in RULES.items()
+                 if r.base and r.blocks is None]
+              + [(name, p, getattr(torch, r.state_dtypes[0])) for name, r in RULES.items() if r.blocks
+                 for p in (torch.float32, torch.bfloat16)])
 
 
 def bench_hyper(rule: str, step: int):
@@ -31,17 +33,15 @@ def bench_hyper(rule: str, step: int):
     return example(rule).hyper(step, weight_decay=0.0)
 
 
-def _state_count(rule: str) -> int:
-    return len(RULES[rule].states) if rule in RULES else len(lowbit.ADAM_SR.states)
-
 def bytes_moved(rule: str, pdtype: torch.dtype, sdtype: torch.dtype) -> float:
-    """Bytes one step of ``rule`` moves per element (reads and writes; 8-bit and 4-bit: codes and
-    scales, the map tables left out)."""
-    if rule == "adam8bit":
-        return 3 * pdtype.itemsize + 2 * 2 * (1 + 4 / lowbit.BLOCK)
-    if rule == "adam4bit":
-        return 3 * pdtype.itemsize + 2 * 2 * (0.5 + 4 / lowbit4.BLOCK4)
-    return bytes_per_elem(pdtype, sdtype, _state_count(rule))
+    """Bytes one step of ``rule`` moves per element (reads and writes; a block-quantized rule: its
+    fresh states' bytes, codes and scales, of a tensor of whole blocks)."""
+    blocks = RULES[rule].blocks
+    if blocks is not None:
+        n = 1 << 16
+        states = resolve(blocks.new_states)((n,), "cpu")
+        return 3 * pdtype.itemsize + 2 * sum(t.numel() * t.element_size() for t in states) / n
+    return bytes_per_elem(pdtype, sdtype, len(RULES[rule].states))
 
 
 def _rule_contenders(rule: str, tensors: list[torch.Tensor], pdtype, sdtype,
@@ -53,39 +53,31 @@ def _rule_contenders(rule: str, tensors: list[torch.Tensor], pdtype, sdtype,
         p.grad = g
     raw = [p.detach() for p in params]
     step = [0]
-    if rule == "adam8bit":
-        n = tensors[0].numel()
-        states = [[torch.full((n,), lowbit.SIGNED_ZERO_CODE, dtype=torch.uint8, device=tensors[0].device)],
-                  [torch.zeros(n, dtype=torch.uint8, device=tensors[0].device)],
-                  [torch.zeros(lowbit.num_blocks(n), device=tensors[0].device)],
-                  [torch.zeros(lowbit.num_blocks(n), device=tensors[0].device)],
-                  [lowbit.kernel_table(True, tensors[0].device)], [lowbit.kernel_table(False, tensors[0].device)]]
-    elif rule == "adam4bit":
-        n, dev = tensors[0].numel(), tensors[0].device
-        states = [[lowbit4.fresh_codes4(n, True, dev)], [lowbit4.fresh_codes4(n, False, dev)],
-                  [torch.zeros(lowbit4.num_blocks4(n), device=dev)], [torch.zeros(lowbit4.num_blocks4(n), device=dev)],
-                  [lowbit4.kernel_table4(True, dev)], [lowbit4.kernel_table4(False, dev)]]
+    spec = RULES[rule]
+    if spec.blocks is not None:  # the optimizers' form; kernel_calls turns it into the Metal buffers
+        fresh = [resolve(spec.blocks.new_states)(t.shape, t.device) for t in tensors]
+        states = [list(lst) for lst in zip(*fresh)]
     else:
-        states = [[torch.zeros_like(t, dtype=sdtype) for t in tensors] for _ in range(_state_count(rule))]
+        states = [[torch.zeros_like(t, dtype=sdtype) for t in tensors] for _ in range(len(spec.states))]
 
     def hyper():
         step[0] += 1
-        adam = AdamHyper(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=step[0])
-        if rule in RULES:
+        if spec.base is None:
             return bench_hyper(rule, step[0])
-        if rule == "adam_sr":
-            return lowbit.AdamSRHyper(adam, lowbit.sr_key(1234, step[0]))
+        adam = AdamHyper(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=step[0])
         sr = lowbit.sr_key(1234, step[0]) if pdtype is torch.bfloat16 else None
-        return lowbit.Adam8bitTensorHyper(adam, sr)
+        return adam, (None if sr is None else [sr] * len(tensors))
 
     out: dict[str, Callable[[], None]] = {}
     notes: list[str] = []
     for label, factory in tiers:
         try:
             backend = factory()
-            # The kernel itself, with its own arguments (Metal's 8-bit/4-bit buffer order, adam_sr's key).
-            out[f"ours {rule} ({label})"] = (lambda b: lambda: b.run_kernel(rule, raw, grads, states,
-                                                                             hyper()))(backend)
+            if spec.base is None:
+                out[f"ours {rule} ({label})"] = (lambda b: lambda: b.update(rule, raw, grads, states, hyper()))(backend)
+            else:  # one kernel call per tensor with its key (mps.kernel_calls)
+                out[f"ours {rule} ({label})"] = (lambda b: lambda: b.update(rule, raw, grads, states,
+                                                                             *hyper()))(backend)
         except Exception as exc:
             notes.append(f"{label}: unavailable ({exc})")
     if rule == "adagrad":

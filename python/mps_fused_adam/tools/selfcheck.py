@@ -1,8 +1,9 @@
 """Self-check of every available backend against the reference (used by ``python -m mps_fused_adam``).
 
-Each backend runs three steps of each update rule of contract.RULES (Adam, Lion, Adagrad), with
-the rule's example hyperparameters (contract.Example), and on the CPU kernel's SIMD paths and the
-Metal tiers also 8-bit Adam and bf16 stochastic rounding, in each mode, from the same start as
+Each backend runs three steps of each update rule of contract.RULES with its own element math
+(Adam, Lion, Adagrad), with the rule's example hyperparameters (contract.Example), and on the CPU
+kernel's SIMD paths and the Metal tiers also each block-quantized rule (8-bit Adam) and bf16
+stochastic rounding, in each mode, from the same start as
 the reference, and is judged by what the docs promise for it (docs/cli.md):
 
 - on CPU (every SIMD path of the ``_cpu`` kernel, and the foreach tier) the results must equal the
@@ -28,7 +29,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from ..backends import ForeachBackend, get_backend
-from ..numerics.contract import RULES, AdamHyper, example
+from ..numerics.contract import RULES, AdamHyper, element_rules, example, resolve
 from ..numerics.reference import reference_adam_, reference_step_
 
 # The params start at randn * PARAM_SCALE (|p| up to about 0.2) and three steps at lr 1e-2 move
@@ -102,7 +103,7 @@ def _hypers(rule: str, step: int, flag: bool) -> Any:
 
 
 def check_backend(backend: Any, device: str, label: str, n: int = 4099) -> Iterator[CheckResult]:
-    for i, rule in enumerate(RULES):
+    for i, rule in enumerate(element_rules()):
         nstates = len(RULES[rule].states)
         for j, (pd, sd) in enumerate(PAIRS):
             label_dtypes = f"{str(pd)[6:]}/{str(sd)[6:]}" if rule == "adam" else f"{rule} {str(pd)[6:]}/{str(sd)[6:]}"
@@ -205,28 +206,33 @@ def check_many(backend: Any, device: str, label: str) -> CheckResult:
     return CheckResult(label, device, dtypes, worst, exact, device == "cpu", of_update)
 
 
+def block_rules() -> list[str]:
+    """The block-quantized rules of contract.RULES (``Rule.blocks``: 8-bit and 4-bit Adam), in its order."""
+    return [name for name, r in RULES.items() if r.blocks is not None]
+
+
 @lru_cache(maxsize=2)
 def _lowbit_cases(n: int) -> tuple:
     """The low-bit checks' inputs and reference results, made once for every backend checked:
-    per 8-bit param dtype (start param, start state, grads per step, sr keys, reference param and
-    state), then per stochastic-rounding state dtype (start tensors, grads, keys, references), then
-    per 4-bit param dtype as for 8-bit (fresh states: codes of 0.0, zero scales)."""
-    from ..numerics import lowbit, lowbit4
-    from ..numerics.reference_lowbit import reference_adam4bit_, reference_adam8bit_, reference_adam_sr_
+    per block-quantized rule and param dtype (rule, start param, start state, grads per step, sr
+    keys, reference param and state), then per stochastic-rounding state dtype (start tensors,
+    grads, keys, references)."""
+    from ..numerics import lowbit
+    from ..numerics.reference_lowbit import reference_adam_sr_
     gen = torch.Generator().manual_seed(1)
-    q8, sr, q4 = [], [], []
-    for pd in (torch.float32, torch.float16, torch.bfloat16):
-        p = (torch.randn(n, generator=gen) * PARAM_SCALE).to(pd)
-        st = {"exp_avg_codes": torch.full((n,), lowbit.SIGNED_ZERO_CODE, dtype=torch.uint8),
-              "exp_avg_absmax": torch.zeros(lowbit.num_blocks(n)),
-              "exp_avg_sq_codes": torch.full((n,), lowbit.UNSIGNED_ZERO_CODE, dtype=torch.uint8),
-              "exp_avg_sq_absmax": torch.zeros(lowbit.num_blocks(n))}
-        grads = [(torch.randn(n, generator=gen) * 0.1).to(pd) for _ in range(3)]
-        keys = [lowbit.sr_key(5, step) if pd is torch.bfloat16 else None for step in (1, 2, 3)]
-        ref = [p.clone()] + [t.clone() for t in st.values()]
-        for step, g, key in zip((1, 2, 3), grads, keys):
-            reference_adam8bit_(ref[0], g, *ref[1:], _hypers("adam", step, True), key)
-        q8.append((p, st, grads, keys, ref))
+    q8, sr = [], []
+    for rule in block_rules():
+        spec = RULES[rule]
+        reference = resolve(spec.reference)
+        for pd in (torch.float32, torch.float16, torch.bfloat16):
+            p = (torch.randn(n, generator=gen) * PARAM_SCALE).to(pd)
+            st = dict(zip(spec.blocks.names, resolve(spec.blocks.new_states)((n,), "cpu")))
+            grads = [(torch.randn(n, generator=gen) * 0.1).to(pd) for _ in range(3)]
+            keys = [lowbit.sr_key(5, step) if pd is torch.bfloat16 else None for step in (1, 2, 3)]
+            ref = [p.clone()] + [t.clone() for t in st.values()]
+            for step, g, key in zip((1, 2, 3), grads, keys):
+                reference(ref[0], g, *ref[1:], _hypers("adam", step, True), key)
+            q8.append((rule, p, st, grads, keys, ref))
     for sd in (torch.float32, torch.bfloat16):
         base = [(torch.randn(n, generator=gen) * PARAM_SCALE).bfloat16(), torch.zeros(n, dtype=sd),
                 torch.zeros(n, dtype=sd)]
@@ -236,43 +242,30 @@ def _lowbit_cases(n: int) -> tuple:
         for step, g, key in zip((1, 2, 3), grads, keys):
             reference_adam_sr_(ref[0], g, ref[1], ref[2], _hypers("adam", step, step != 2), key)
         sr.append((base, grads, keys, ref))
-    for pd in (torch.float32, torch.float16, torch.bfloat16):
-        p = (torch.randn(n, generator=gen) * PARAM_SCALE).to(pd)
-        st = {"exp_avg_codes": lowbit4.fresh_codes4(n, True), "exp_avg_absmax": torch.zeros(lowbit4.num_blocks4(n)),
-              "exp_avg_sq_codes": lowbit4.fresh_codes4(n, False),
-              "exp_avg_sq_absmax": torch.zeros(lowbit4.num_blocks4(n))}
-        grads = [(torch.randn(n, generator=gen) * 0.1).to(pd) for _ in range(3)]
-        keys = [lowbit.sr_key(7, step) if pd is torch.bfloat16 else None for step in (1, 2, 3)]
-        ref = [p.clone()] + [t.clone() for t in st.values()]
-        for step, g, key in zip((1, 2, 3), grads, keys):
-            reference_adam4bit_(ref[0], g, *ref[1:], _hypers("adam", step, True), key)
-        q4.append((p, st, grads, keys, ref))
-    return q8, sr, q4
+    return q8, sr
 
 
-def check_lowbit(adam8bit: Callable[..., None], adam_sr: Callable[..., None], device: str, label: str,
-                 n: int = 4099, adam4bit: Optional[Callable[..., None]] = None) -> Iterator[CheckResult]:
-    """The low-bit rules (lowbit.py, lowbit4.py) against their references, three steps each: 8-bit
-    Adam for each param dtype (``adam8bit(p, g, state, hyper, sr_key)``), Adam with bf16 stochastic
-    rounding for both state dtypes (``adam_sr(p, g, m, v, hyper, sr_key)``), then, when given,
-    4-bit Adam for each param dtype (``adam4bit``, called as ``adam8bit``). Codes must match
+def check_lowbit(blocks: Callable[..., None], adam_sr: Callable[..., None], device: str, label: str,
+                 n: int = 4099, runs: Callable[[str], bool] = lambda rule: True) -> Iterator[CheckResult]:
+    """The low-bit rules (lowbit.py, lowbit4.py) against their references, three steps each: each
+    block-quantized rule (:func:`block_rules`: 8-bit and 4-bit Adam) that ``runs(rule)`` for each
+    param dtype (``blocks(rule, p, g, state, hyper, sr_key)``), and Adam with bf16 stochastic
+    rounding for both state dtypes (``adam_sr(p, g, m, v, hyper, sr_key)``). Codes must match
     exactly; params and moments as in :func:`check_backend`."""
-    q8, sr, q4 = _lowbit_cases(n)
-
-    def blockwise(rule: str, step_fn: Callable[..., None], cases: list) -> Iterator[CheckResult]:
-        for p, st, grads, keys, ref in cases:
-            dtypes = f"{rule} {str(p.dtype)[6:]}/uint8"
-            try:
-                ours_p, ours_st = p.clone().to(device), {k: t.clone().to(device) for k, t in st.items()}
-                for step, g, key in zip((1, 2, 3), grads, keys):
-                    step_fn(ours_p, g.to(device), ours_st, _hypers("adam", step, True), key)
-                worst, of_update, exact = _compare([ours_p, *ours_st.values()], ref, [p, *st.values()])
-            except Exception as exc:
-                yield _raised(label, device, dtypes, exc)
-                continue
-            yield CheckResult(label, device, dtypes, worst, exact, device == "cpu", of_update)
-
-    yield from blockwise("adam8bit", adam8bit, q8)
+    q8, sr = _lowbit_cases(n)
+    for rule, p, st, grads, keys, ref in q8:
+        if not runs(rule):
+            continue
+        dtypes = f"{rule} {str(p.dtype)[6:]}/{RULES[rule].state_dtypes[0]}"
+        try:
+            ours_p, ours_st = p.clone().to(device), {k: t.clone().to(device) for k, t in st.items()}
+            for step, g, key in zip((1, 2, 3), grads, keys):
+                blocks(rule, ours_p, g.to(device), ours_st, _hypers("adam", step, True), key)
+            worst, of_update, exact = _compare([ours_p, *ours_st.values()], ref, [p, *st.values()])
+        except Exception as exc:
+            yield _raised(label, device, dtypes, exc)
+            continue
+        yield CheckResult(label, device, dtypes, worst, exact, device == "cpu", of_update)
     for base, grads, keys, ref in sr:
         dtypes = f"adam-sr bfloat16/{str(base[1].dtype)[6:]}"
         try:
@@ -284,34 +277,24 @@ def check_lowbit(adam8bit: Callable[..., None], adam_sr: Callable[..., None], de
             yield _raised(label, device, dtypes, exc)
             continue
         yield CheckResult(label, device, dtypes, worst, exact, device == "cpu", of_update)
-    if adam4bit is not None:
-        yield from blockwise("adam4bit", adam4bit, q4)
-
-
-# The order of a block-wise rule's state lists in a backend call (backends.Backend.update), as
-# the check's state dicts name them.
-_BLOCKWISE_ORDER = ("exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_codes", "exp_avg_sq_absmax")
-
-
-def _blockwise(backend: Any, rule: str) -> Callable[..., None]:
-    """A backend's block-wise rule ``rule`` (``adam8bit``, ``adam4bit``), one tensor a call."""
-    def step(p, g, st, hp, key):
-        backend.update(rule, [p], [g], [[st[k]] for k in _BLOCKWISE_ORDER], hp, sr_keys=None if key is None else [key])
-    return step
 
 
 def _lowbit(backend: Any) -> tuple[Callable[..., None], Callable[..., None]]:
-    """A backend's 8-bit rule and its stochastic-rounding mode of Adam, one tensor a call."""
-    return (_blockwise(backend, "adam8bit"),
+    """A backend's block-quantized rules and its stochastic-rounding mode of Adam, one tensor a call."""
+
+    def blocks(rule, p, g, st, hp, key):
+        backend.update(rule, [p], [g], [[st[k]] for k in RULES[rule].blocks.names], hp,
+                       sr_keys=None if key is None else [key])
+    return (blocks,
             lambda p, g, m, v, hp, key: backend.update("adam_sr", [p], [g], [[m], [v]], hp, sr_keys=[key]))
 
 
-def _lowbit4(backend: Any) -> Optional[Callable[..., None]]:
-    """The CPU backend's 4-bit rule, one tensor a call; None where it does not run it (a ``_cpu``
-    built without the 4-bit kernel). (The MPS tiers' refusals are on their tier lines instead.)"""
+def _cpu_runs(cpu: Any) -> Callable[[str], bool]:
+    """Whether the CPU backend runs a block-quantized rule: a ``_cpu`` built without one's entry
+    (``Rule.blocks.cpu_entry``) has no kernel of it to check. (The MPS tiers' refusals are on
+    their tier lines instead.)"""
     from ..backends.kernel import Kernel
-    return _blockwise(backend, "adam4bit") if backend.unavailable(Kernel("adam4bit", torch.float32, torch.uint8)) \
-        is None else None
+    return lambda rule: cpu.unavailable(Kernel(rule, torch.float32, torch.uint8)) is None
 
 
 def all_checks() -> Iterator[CheckResult]:
@@ -323,7 +306,7 @@ def all_checks() -> Iterator[CheckResult]:
             for path in _cpu.simd_paths():
                 _cpu.set_simd_path(path)
                 yield from check_backend(cpu, "cpu", f"_cpu ({path})")
-                yield from check_lowbit(*_lowbit(cpu), "cpu", f"_cpu ({path})", adam4bit=_lowbit4(cpu))
+                yield from check_lowbit(*_lowbit(cpu), "cpu", f"_cpu ({path})", runs=_cpu_runs(cpu))
                 yield check_many(cpu, "cpu", f"_cpu ({path})")
                 yield check_agreement(cpu, "cpu", f"_cpu ({path})")
         finally:
@@ -337,8 +320,7 @@ def all_checks() -> Iterator[CheckResult]:
                 continue
             backend, label, runs = tier.backend, tier.label, tier.runs
             yield from filter(runs, check_backend(backend, "mps", label))
-            yield from filter(runs, check_lowbit(*_lowbit(backend), "mps", label,
-                                                  adam4bit=_blockwise(backend, "adam4bit")))
+            yield from filter(runs, check_lowbit(*_lowbit(backend), "mps", label))
             yield from filter(runs, [check_many(backend, "mps", label)])
             yield check_agreement(backend, "mps", label)
         yield from check_backend(ForeachBackend(), "mps", "foreach")
