@@ -463,6 +463,14 @@ def test_docs_memory_tables_are_the_checked_in_measurements():
         assert table.strip() in doc
     for config, bpp in rows:  # and the first table's figures
         assert f"| {bpp:.2f} |" in doc, config
+    # The Xeon's 4-bit run: its figures in docs/memory.md's text and the README's Xeon column.
+    xeon = dict(memory.read_results(str(REPO / "benchmarks" / "results" / "memory_q4_xeon16.txt")))
+    assert {"ours-adamw4bit", "ours-adamw4bit-sr", "ours-adamw4bit-sr-inbwd"} <= set(xeon)
+    for config, bpp in xeon.items():
+        assert f"{bpp:.2f}" in doc, config
+    readme = (REPO / "README.md").read_text()
+    assert f"| 3.84 | **{xeon['ours-adamw4bit-sr-inbwd']:.2f}** |" in readme
+    assert f"| 5.09 | {xeon['ours-adamw4bit-sr']:.2f} |" in readme
 
 
 # --- Reads and gradients the hooks cannot step bit for bit: refused, or raised by autograd -------------
