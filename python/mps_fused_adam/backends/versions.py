@@ -19,7 +19,7 @@ from typing import Iterable
 import torch
 
 # The C function behind torch.autograd.graph.increment_version, which takes any iterable of tensors
-# in one call (about 50 ns a tensor on the 2-core EPYC); the public wrapper only adds a type test.
+# in one call (its cost per tensor: docs/torch-compat.md); the public wrapper only adds a type test.
 _increment = getattr(torch._C, "_increment_version", None)
 
 
