@@ -250,17 +250,23 @@ def test_selfcheck_of_lowbit_rules_catches_a_wrong_kernel():
     from mps_fused_adam.backends import CPUBackend
     from mps_fused_adam.numerics.reference_lowbit import reference_adam8bit_
     from mps_fused_adam.tools.selfcheck import _lowbit, check_lowbit
+    from mps_fused_adam.numerics.reference_lowbit import reference_adam4bit_
     good = list(check_lowbit(*_lowbit(CPUBackend()), "cpu", "_cpu", n=600))
-    assert len(good) == 5 and all(r.passed and r.bit_exact for r in good)
+    # 8-bit and 4-bit Adam per param dtype, then stochastic rounding per state dtype
+    assert [r.dtypes.split(" ")[0] for r in good] == ["adam8bit"] * 3 + ["adam4bit"] * 3 + ["adam-sr"] * 2
+    assert all(r.passed and r.bit_exact for r in good)
 
     def off_8bit(rule, p, g, st, hp, key):
         import dataclasses
-        reference_adam8bit_(p, g, st["exp_avg_codes"], st["exp_avg_absmax"], st["exp_avg_sq_codes"],
-                            st["exp_avg_sq_absmax"], dataclasses.replace(hp, beta1=0.5), key)
+        step = reference_adam8bit_ if rule == "adam8bit" else reference_adam4bit_
+        suffix = "" if rule == "adam8bit" else "4"
+        step(p, g, *(st[k + suffix] for k in ("exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_codes",
+                                              "exp_avg_sq_absmax")), dataclasses.replace(hp, beta1=0.5), key)
 
     def nearest(p, g, m, v, hp, key):
         CPUBackend().update("adam", [p], [g], [[m], [v]], hp)
 
     bad = list(check_lowbit(off_8bit, nearest, "cpu", "wrong", n=600))
-    assert not any(r.passed or r.bit_exact for r in bad[:3]), bad[:3]
-    assert not any(r.bit_exact for r in bad[3:]), bad[3:]
+    assert len(bad) == 8
+    assert not any(r.passed or r.bit_exact for r in bad[:6]), bad[:6]
+    assert not any(r.bit_exact for r in bad[6:]), bad[6:]

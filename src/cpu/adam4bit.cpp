@@ -58,24 +58,12 @@ void read_table(uintptr_t address, bool is_signed, float* out) {
 }
 
 // Appends one tensor's job (its arguments already checked).
-void add_job(BlockBatch<Q4Job>& b, uintptr_t param, uintptr_t grad, uintptr_t codes1, uintptr_t absmax1,
-             uintptr_t codes2, uintptr_t absmax2, int64_t n, int param_dtype, const float* map1, const float* map2,
-             const nb::bytes& scalars, uint32_t sr_key, bool sr, bool floor) {
-  if (n == 0) return;
-  Q4Job q{};
-  q.param = ptr<void>(param);
-  q.grad = ptr<const void>(grad);
-  q.codes1 = ptr<uint8_t>(codes1);
-  q.absmax1 = ptr<float>(absmax1);
-  q.codes2 = ptr<uint8_t>(codes2);
-  q.absmax2 = ptr<float>(absmax2);
-  q.n = n;
-  std::memcpy(&q.s, scalars.c_str(), sizeof q.s);
-  q.sr_key = sr_key;
+void add_job(BlockBatch<Q4Job>& b, const LowbitTensor& t, const float* map1, const float* map2, bool floor) {
+  if (t.n == 0) return;
+  Q4Job q = lowbit_job<Q4Job>(t);
   std::memcpy(q.map1, map1, sizeof q.map1);
   std::memcpy(q.map2, map2, sizeof q.map2);
-  const int kind = int(lowbit_param(param_dtype, sr));
-  b.add(q, (floor ? active_isa().adam4bit_floor : active_isa().adam4bit)[kind]);
+  b.add(q, (floor ? active_isa().adam4bit_floor : active_isa().adam4bit)[int(lowbit_param(t.param_dtype, t.sr))]);
 }
 
 void adam4bit_step(uintptr_t param, uintptr_t grad, uintptr_t codes1, uintptr_t absmax1, uintptr_t codes2,
@@ -87,7 +75,7 @@ void adam4bit_step(uintptr_t param, uintptr_t grad, uintptr_t codes1, uintptr_t 
   read_table(map1, true, m1);
   read_table(map2, false, m2);
   BlockBatch<Q4Job> b(kQ4Block);
-  add_job(b, param, grad, codes1, absmax1, codes2, absmax2, n, param_dtype, m1, m2, scalars, sr_key, sr, floor);
+  add_job(b, {param, grad, codes1, absmax1, codes2, absmax2, n, param_dtype, &scalars, sr_key, sr}, m1, m2, floor);
   b.run(num_threads);
 }
 
@@ -99,26 +87,15 @@ void adam4bit_step_many(const std::vector<uintptr_t>& params, const std::vector<
                         const std::vector<int64_t>& numels, const std::vector<int>& param_dtypes, uintptr_t map1,
                         uintptr_t map2, const std::vector<nb::bytes>& scalars, const std::vector<uint32_t>& sr_keys,
                         const std::vector<int>& sr, int num_threads) {
-  const size_t count = params.size();
-  for (size_t len : {grads.size(), codes1.size(), absmax1.size(), codes2.size(), absmax2.size(), numels.size(),
-                     param_dtypes.size(), scalars.size(), sr_keys.size(), sr.size()})
-    if (len != count)
-      throw std::invalid_argument("adam4bit_step_many: every list has one entry per tensor (" + std::to_string(count) +
-                                  "); got one of " + std::to_string(len));
-  int64_t total = 0;
-  for (size_t i = 0; i < count; ++i) {
-    check_lowbit_args("tensor " + std::to_string(i) + ": ", "adam4bit", numels[i], param_dtypes[i], scalars[i]);
-    total += numels[i];
-  }
-  if (total == 0) return;
+  const std::vector<LowbitTensor> tensors = lowbit_tensors("adam4bit", params, grads, codes1, absmax1, codes2, absmax2,
+                                                           numels, param_dtypes, scalars, sr_keys, sr);
+  if (tensors.empty()) return;
   float m1[kQ4Table], m2[kQ4Table];
   read_table(map1, true, m1);
   read_table(map2, false, m2);
   BlockBatch<Q4Job> b(kQ4Block);
-  b.jobs.reserve(count);
-  for (size_t i = 0; i < count; ++i)
-    add_job(b, params[i], grads[i], codes1[i], absmax1[i], codes2[i], absmax2[i], numels[i], param_dtypes[i], m1, m2,
-            scalars[i], sr_keys[i], sr[i] != 0, false);
+  b.jobs.reserve(tensors.size());
+  for (const LowbitTensor& t : tensors) add_job(b, t, m1, m2, false);
   b.run(num_threads);
 }
 

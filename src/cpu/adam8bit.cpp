@@ -44,26 +44,14 @@ T* ptr(uintptr_t a) {
 }
 
 // Appends one tensor's job (its arguments already checked).
-void add_job(BlockBatch<Q8Job>& b, uintptr_t param, uintptr_t grad, uintptr_t codes1, uintptr_t absmax1,
-             uintptr_t codes2, uintptr_t absmax2, int64_t n, int param_dtype, const Q8Map& map1, const Q8Map& map2,
-             const nb::bytes& scalars, uint32_t sr_key, bool sr, bool floor) {
-  if (n == 0) return;
+void add_job(BlockBatch<Q8Job>& b, const LowbitTensor& t, const Q8Map& map1, const Q8Map& map2, bool floor) {
+  if (t.n == 0) return;
   if (!map1.is_signed || map2.is_signed)
     throw std::invalid_argument("adam8bit: map1 must be lowbit.kernel_table(True) (signed), map2 kernel_table(False)");
-  Q8Job q{};
+  Q8Job q = lowbit_job<Q8Job>(t);
   q.map1 = map1;
   q.map2 = map2;
-  q.param = ptr<void>(param);
-  q.grad = ptr<const void>(grad);
-  q.codes1 = ptr<uint8_t>(codes1);
-  q.absmax1 = ptr<float>(absmax1);
-  q.codes2 = ptr<uint8_t>(codes2);
-  q.absmax2 = ptr<float>(absmax2);
-  q.n = n;
-  std::memcpy(&q.s, scalars.c_str(), sizeof q.s);
-  q.sr_key = sr_key;
-  const Q8Param kind = lowbit_param(param_dtype, sr);
-  b.add(q, (floor ? active_isa().adam8bit_floor : active_isa().adam8bit)[int(kind)]);
+  b.add(q, (floor ? active_isa().adam8bit_floor : active_isa().adam8bit)[int(lowbit_param(t.param_dtype, t.sr))]);
 }
 
 Q8Map map_at(uintptr_t table) {
@@ -78,8 +66,8 @@ void adam8bit_step(uintptr_t param, uintptr_t grad, uintptr_t codes1, uintptr_t 
   check_lowbit_args("", "adam8bit", n, param_dtype, scalars);
   if (n == 0) return;
   BlockBatch<Q8Job> b(kQ8Block);
-  add_job(b, param, grad, codes1, absmax1, codes2, absmax2, n, param_dtype, map_at(map1), map_at(map2), scalars,
-          sr_key, sr, floor);
+  add_job(b, {param, grad, codes1, absmax1, codes2, absmax2, n, param_dtype, &scalars, sr_key, sr}, map_at(map1),
+          map_at(map2), floor);
   b.run(num_threads);
 }
 
@@ -91,24 +79,13 @@ void adam8bit_step_many(const std::vector<uintptr_t>& params, const std::vector<
                         const std::vector<int64_t>& numels, const std::vector<int>& param_dtypes, uintptr_t map1,
                         uintptr_t map2, const std::vector<nb::bytes>& scalars, const std::vector<uint32_t>& sr_keys,
                         const std::vector<int>& sr, int num_threads) {
-  const size_t count = params.size();
-  for (size_t len : {grads.size(), codes1.size(), absmax1.size(), codes2.size(), absmax2.size(), numels.size(),
-                     param_dtypes.size(), scalars.size(), sr_keys.size(), sr.size()})
-    if (len != count)
-      throw std::invalid_argument("adam8bit_step_many: every list has one entry per tensor (" + std::to_string(count) +
-                                  "); got one of " + std::to_string(len));
-  int64_t total = 0;
-  for (size_t i = 0; i < count; ++i) {
-    check_lowbit_args("tensor " + std::to_string(i) + ": ", "adam8bit", numels[i], param_dtypes[i], scalars[i]);
-    total += numels[i];
-  }
-  if (total == 0) return;
+  const std::vector<LowbitTensor> tensors = lowbit_tensors("adam8bit", params, grads, codes1, absmax1, codes2, absmax2,
+                                                           numels, param_dtypes, scalars, sr_keys, sr);
+  if (tensors.empty()) return;
   const Q8Map m1 = map_at(map1), m2 = map_at(map2);
   BlockBatch<Q8Job> b(kQ8Block);
-  b.jobs.reserve(count);
-  for (size_t i = 0; i < count; ++i)
-    add_job(b, params[i], grads[i], codes1[i], absmax1[i], codes2[i], absmax2[i], numels[i], param_dtypes[i], m1, m2,
-            scalars[i], sr_keys[i], sr[i] != 0, false);
+  b.jobs.reserve(tensors.size());
+  for (const LowbitTensor& t : tensors) add_job(b, t, m1, m2, false);
   b.run(num_threads);
 }
 

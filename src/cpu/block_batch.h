@@ -1,10 +1,12 @@
 // The block-wise low-bit drivers' shared part (adam8bit.cpp, adam4bit.cpp): the argument checks,
-// and a call's tensors as one range of blocks shared among the pool's threads.
+// a tensor's job fields, and a call's tensors as one range of blocks shared among the pool's threads.
 #pragma once
 #include <nanobind/nanobind.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -23,6 +25,59 @@ inline void check_lowbit_args(const std::string& which, const char* rule, int64_
                                 "-byte scalar struct; got " + std::to_string(scalars.size()));
   if (param_dtype < 0 || param_dtype > 2)
     throw std::invalid_argument(which + "param dtype code must be 0 (float32), 1 (float16) or 2 (bfloat16)");
+}
+
+// One tensor of a driver call: host addresses, element count, param dtype code, scalars, key.
+struct LowbitTensor {
+  uintptr_t param, grad, codes1, absmax1, codes2, absmax2;
+  int64_t n;
+  int param_dtype;
+  const nanobind::bytes* scalars;
+  uint32_t sr_key;
+  bool sr;
+};
+
+// A job's fields that both formats' jobs (Q8Job, Q4Job) have, from a checked tensor.
+template <class Job>
+Job lowbit_job(const LowbitTensor& t) {
+  Job q{};
+  q.param = reinterpret_cast<void*>(t.param);
+  q.grad = reinterpret_cast<const void*>(t.grad);
+  q.codes1 = reinterpret_cast<uint8_t*>(t.codes1);
+  q.absmax1 = reinterpret_cast<float*>(t.absmax1);
+  q.codes2 = reinterpret_cast<uint8_t*>(t.codes2);
+  q.absmax2 = reinterpret_cast<float*>(t.absmax2);
+  q.n = t.n;
+  std::memcpy(&q.s, t.scalars->c_str(), sizeof q.s);
+  q.sr_key = t.sr_key;
+  return q;
+}
+
+// The `<rule>_step_many` lists (one entry per tensor), checked whole before anything runs: every
+// list of one length, every tensor's arguments as check_lowbit_args takes them. The tensors, or
+// none when they hold no element.
+inline std::vector<LowbitTensor> lowbit_tensors(
+    const char* rule, const std::vector<uintptr_t>& params, const std::vector<uintptr_t>& grads,
+    const std::vector<uintptr_t>& codes1, const std::vector<uintptr_t>& absmax1, const std::vector<uintptr_t>& codes2,
+    const std::vector<uintptr_t>& absmax2, const std::vector<int64_t>& numels, const std::vector<int>& param_dtypes,
+    const std::vector<nanobind::bytes>& scalars, const std::vector<uint32_t>& sr_keys, const std::vector<int>& sr) {
+  const size_t count = params.size();
+  for (size_t len : {grads.size(), codes1.size(), absmax1.size(), codes2.size(), absmax2.size(), numels.size(),
+                     param_dtypes.size(), scalars.size(), sr_keys.size(), sr.size()})
+    if (len != count)
+      throw std::invalid_argument(std::string(rule) + "_step_many: every list has one entry per tensor (" +
+                                  std::to_string(count) + "); got one of " + std::to_string(len));
+  int64_t total = 0;
+  std::vector<LowbitTensor> out;
+  out.reserve(count);
+  for (size_t i = 0; i < count; ++i) {
+    check_lowbit_args("tensor " + std::to_string(i) + ": ", rule, numels[i], param_dtypes[i], scalars[i]);
+    total += numels[i];
+    out.push_back({params[i], grads[i], codes1[i], absmax1[i], codes2[i], absmax2[i], numels[i], param_dtypes[i],
+                   &scalars[i], sr_keys[i], sr[i] != 0});
+  }
+  if (total == 0) out.clear();
+  return out;
 }
 
 // The param storage of a checked dtype code (0 float32, 1 float16, 2 bfloat16) and sr switch.
