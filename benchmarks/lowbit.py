@@ -4,7 +4,7 @@
 1. Training curves (the longer version of tests/test_lowbit_training.py, plus bf16 with Kahan
    compensation in plain torch, for the decision on offering it): fp32 AdamW, AdamW8bit,
    bf16 + stochastic rounding, bf16 round-to-nearest, bf16 + Kahan, 8-bit + bf16 stochastic
-   rounding; loss curves to <out>.png, final losses to <out>.txt.
+   rounding; loss curves to <out>_curves.csv (drawn by plots.py), final losses to <out>.txt.
 2. Optimizer-state bytes per parameter of each set-up.
 3. CPU step time, one interleaved run over one flat tensor: torch.optim.AdamW(fused=True), ours
    AdamW, ours AdamW8bit, bitsandbytes' AdamW8bit and torchao's AdamW8bit where importable; bf16
@@ -371,19 +371,11 @@ def main() -> None:
     print(text)
     with open(args.out + ".txt", "w") as f:
         f.write(text)
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for k, v in curves.items():
-        ax.plot(v, label=f"{k} ({final[k] / final['fp32'] - 1:+.1%})")
-    ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (fp32 evaluation)")
-    ax.set_title("MLP regression, lr 1e-3, weights of order 1")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(args.out + ".png", dpi=110)
+    # The curves as plots.py reads them (it draws docs/img/lowbit_curves.png from this file).
+    with open(args.out + "_curves.csv", "w") as f:
+        f.write("step," + ",".join(curves) + "\n")
+        for i in range(args.steps):
+            f.write(f"{i + 1}," + ",".join(f"{curves[k][i]:.6g}" for k in curves) + "\n")
 
 
 if __name__ == "__main__":
