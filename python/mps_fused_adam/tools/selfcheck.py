@@ -423,7 +423,7 @@ def _torch_adamw(steps: int, n: int, weight_decay: float) -> tuple[torch.Tensor,
     """The start, the grads of every step and torch.optim.AdamW's result (``foreach=False``):
     made once per size for every backend compared with it. Through torch's functional
     ``adamw``, the function ``AdamW.step`` calls, where it takes these arguments: constructing the
-    class imports torch._dynamo, which made ``--check`` 1.5 s slower here."""
+    class imports torch._dynamo, a slow import that ``--check`` need not pay."""
     gen = torch.Generator().manual_seed(0)
     p0 = torch.randn(n, generator=gen)
     grads = [torch.randn(n, generator=gen) * 1e-2 for _ in range(steps)]
