@@ -38,7 +38,7 @@ torch wheel (``check_torch_wheel``)
     the stream's queue) is reported (``hook_facts``).
 
 Objective-C API (``check_objc_api``): every selector and C function that the ``.mm`` uses, as
-declared in ``tests/objc_stubs`` (the ``.mm`` is parsed against them with -Werror, so it can use
+declared in ``tests/support/objc_stubs`` (the ``.mm`` is parsed against them with -Werror, so it can use
 nothing else), against the pyobjc metadata (``_metadata.py``) of the ``pyobjc-framework-Metal``,
 ``-Cocoa`` (Foundation) and ``-libdispatch`` macOS wheels: the name, the argument count and every
 type encoding the metadata gives. Selectors and functions that pyobjc has no metadata for (their
@@ -61,7 +61,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 MM = REPO / "src" / "metal" / "metal_adam.mm"
-STUBS = REPO / "tests" / "objc_stubs"
+STUBS = REPO / "tests" / "support" / "objc_stubs"
 BACKENDS = REPO / "python" / "mps_fused_adam" / "backends" / "mps.py"
 TENSOR_HANDLES = REPO / "src" / "cpu" / "tensor_handles.cpp"
 LIBTORCH_PYTHON = "torch/lib/libtorch_python.dylib"
@@ -614,7 +614,7 @@ def check_objc_api(decls: list[dict], metadata_texts: list[str], mm_text: str,
             pattern = rf"(?:\.{name}\b|\s{name}\s*\])"  # a property read or a unary message
         used = re.search(pattern, code) is not None
         if not used:
-            problems.append(f"{d['name']}: declared in tests/objc_stubs but not used by metal_adam.mm")
+            problems.append(f"{d['name']}: declared in tests/support/objc_stubs but not used by metal_adam.mm")
         elif d["kind"] == "method":
             problems += check_method(d, selectors, apple_names)
         else:

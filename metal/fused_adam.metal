@@ -12,7 +12,7 @@
 // agreement); the host emulator of the tests matches the reference bit for bit.
 //
 // Self-contained on purpose: tier 3 hands this text to torch.mps.compile_shader, and the tests
-// compile it as C++17 through tests/metal_compat.h (FUSED_ADAM_HOST_EMULATOR is then defined).
+// compile it as C++17 through tests/support/metal_compat.h (FUSED_ADAM_HOST_EMULATOR is then defined).
 //
 // Kernels (host names): fused_<rule>_<P>_<S>, P = param/grad storage type, S = state storage
 // type, from the instantiation lists at the end (one line per rule x dtype pair):
@@ -573,7 +573,7 @@ kernel void fused_step_blockwise(device P* param [[buffer(0)]],
   X(fused_step_blockwise, Adam8bitRule, adam8bit, bfloat, uchar)    \
   X(fused_step_blockwise, Adam4bitRule, adam4bit, bfloat, uchar)
 
-// An explicit instantiation's attributes. tests/metal_compat.h defines this as nothing before
+// An explicit instantiation's attributes. tests/support/metal_compat.h defines this as nothing before
 // including the file: clang's C++ allows no attribute list on an explicit instantiation.
 #ifndef FUSED_KERNEL_ATTRIBUTES
 #define FUSED_KERNEL_ATTRIBUTES(HOST_NAME) [[host_name(HOST_NAME)]] [[kernel]]

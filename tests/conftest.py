@@ -3,9 +3,17 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# The harness modules (the host emulator, the raw-Metal harness, the DeepSpeed and integration
+# helpers, workers run as scripts) live in tests/support/ and are imported by their own names.
+SUPPORT_DIR = Path(__file__).resolve().parent / "support"
+if str(SUPPORT_DIR) not in sys.path:
+    sys.path.insert(0, str(SUPPORT_DIR))
 
 DTYPE_PAIRS = [  # (param dtype, state dtype) pairs the kernels are instantiated for
     (torch.float32, torch.float32),
@@ -140,7 +148,7 @@ def emulator_cxx(request) -> list[str] | None:
 
 @pytest.fixture(scope="session")
 def emu():
-    """The host emulator: metal/fused_adam.metal compiled as C++ (tests/emulated_mps.py)."""
+    """The host emulator: metal/fused_adam.metal compiled as C++ (tests/support/emulated_mps.py)."""
     from emulated_mps import build_emulator
     return build_emulator()
 

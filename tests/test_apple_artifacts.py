@@ -449,9 +449,9 @@ def test_objc_check_finds_doctored_metadata_and_stubs(objc):
         "_dyld_get_image_name(): neither in the pyobjc metadata nor imported by libtorch_cpu.dylib"]
     # A stub declaration the .mm no longer uses.
     assert problems(mm=MM_TEXT.replace("endEncoding", "endEncodingX")) == [
-        "endEncoding: declared in tests/objc_stubs but not used by metal_adam.mm"]
+        "endEncoding: declared in tests/support/objc_stubs but not used by metal_adam.mm"]
     assert problems(mm=MM_TEXT.replace("get_command_buffer().device;", "get_command_buffer();")) == [
-        "device: declared in tests/objc_stubs but not used by metal_adam.mm"]
+        "device: declared in tests/support/objc_stubs but not used by metal_adam.mm"]
 
 
 def test_encoding_helpers():

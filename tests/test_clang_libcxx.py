@@ -80,4 +80,4 @@ def test_simd_builds_parse_with_libcxx(isa):
 @pytest.mark.skipif(sys.platform == "darwin", reason="tests/test_native_isa.py and test_cpu_4bit.py build them on Linux only")
 @pytest.mark.parametrize("harness", ["isa_parity.cpp", "q4_parity.cpp"])
 def test_parity_harness_parses_with_libcxx(harness):
-    _parse([*clang_libcxx(), f"-I{SRC}", "-DMFA_NATIVE_NS=isa_scalar"], [ROOT / "tests" / "native" / harness])
+    _parse([*clang_libcxx(), f"-I{SRC}", "-DMFA_NATIVE_NS=isa_scalar"], [ROOT / "tests" / "support" / "native" / harness])

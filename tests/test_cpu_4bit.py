@@ -2,7 +2,7 @@
 reference (reference_lowbit.reference_adam4bit_): bit-identical packed codes, scales and params,
 for every param dtype, with and without bf16 stochastic rounding, on every SIMD path this machine
 runs (through the extension) and on NEON and the x86 builds in the native harness
-(tests/native/q4_parity.cpp: each build against the reference's own outputs), at one and several
+(tests/support/native/q4_parity.cpp: each build against the reference's own outputs), at one and several
 threads, for sizes around the block and byte boundaries."""
 from __future__ import annotations
 
@@ -285,7 +285,7 @@ def test_floor_keeps_every_value(simd, dtype):
 # ---- the native harness: NEON under qemu, the x86 builds natively, against reference outputs ---
 
 def _cases_file(tmp_path: Path) -> tuple[str, int]:
-    """Inputs and the reference's outputs of a set of 4-bit steps, for tests/native/q4_parity.cpp:
+    """Inputs and the reference's outputs of a set of 4-bit steps, for tests/support/native/q4_parity.cpp:
     per case a header ("<qiIi" + 48 scalar bytes: n, dtype code, sr key, sr), then the
     param, grad, codes1, absmax1, codes2, absmax2 before and after (the reference's result)."""
     t1, t2 = lowbit4.kernel_table4(True), lowbit4.kernel_table4(False)
@@ -331,7 +331,7 @@ def test_neon_matches_reference_under_qemu(tmp_path):
     cxx, qemu = require_tool("aarch64-linux-gnu-g++", "qemu-aarch64")
     exe = tmp_path / "q4_parity"
     subprocess.run([cxx, *FLAGS, "-static", f"-I{SRC}", "-DMFA_NATIVE_NS=isa_neon",
-                    str(ROOT / "tests/native/q4_parity.cpp"), str(SRC / "adam_scalar.cpp"), str(SRC / "adam_neon.cpp"),
+                    str(ROOT / "tests/support/native/q4_parity.cpp"), str(SRC / "adam_scalar.cpp"), str(SRC / "adam_neon.cpp"),
                     "-o", str(exe)], check=True)
     cases, count = _cases_file(tmp_path)
     run = subprocess.run([qemu, str(exe), cases], capture_output=True, text=True, timeout=300)
@@ -349,7 +349,7 @@ def test_x86_build_matches_reference_natively(tmp_path, isa):
         pytest.skip(f"this CPU lacks {sorted(missing)}, which the {isa} build needs")
     [cxx] = require_tool("g++")
     objs = []
-    for src, extra in ((ROOT / "tests/native/q4_parity.cpp", [f"-DMFA_NATIVE_NS=isa_{isa}"]),
+    for src, extra in ((ROOT / "tests/support/native/q4_parity.cpp", [f"-DMFA_NATIVE_NS=isa_{isa}"]),
                        (SRC / "adam_scalar.cpp", []), (SRC / f"adam_{isa}.cpp", _build_flags(isa))):
         obj = tmp_path / (src.stem + ".o")
         subprocess.run([cxx, *FLAGS, f"-I{SRC}", *extra, "-c", str(src), "-o", str(obj)], check=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "deepspeed_support"))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support" / "deepspeed_support"))
 import dsenv  # noqa: E402
 
 GiB = 1 << 30

@@ -6,7 +6,7 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "deepspeed_support"))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support" / "deepspeed_support"))
 import dsenv  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "deepspeed_zero.py"

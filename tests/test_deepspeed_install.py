@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "deepspeed_support"))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support" / "deepspeed_support"))
 import dsenv  # noqa: E402
 
 
@@ -368,7 +368,7 @@ def test_use_mps_false_leaves_mps_for_the_cpu_accelerator(tmp_path):
     print("ours", report["accelerator"], hasattr(get_accelerator(), "mps_fused_adam_complete_base"))
     report = mfd.install(use_mps=False)
     print("again", report["accelerator"], type(get_accelerator()).__name__)
-    """, MFA_TESTS_SUPPORT=str(Path(__file__).resolve().parent / "deepspeed_support"))
+    """, MFA_TESTS_SUPPORT=str(Path(__file__).resolve().parent / "support" / "deepspeed_support"))
     lines = [line.split() for line in out.splitlines() if line.split()[:1] in (["first"], ["ours"], ["again"])]
     assert lines == [["first", "cpu", "CPU_Accelerator", "cpu"], ["ours", "mps", "True"],
                      ["again", "cpu", "CPU_Accelerator"]], out

@@ -328,7 +328,7 @@ def test_adam_rollback_non_finite_param_becomes_zero(cpu_op):
 def test_redirect_policy():
     """Which builder class DeepSpeed gets: ours for the two Adam ops, an unavailable subclass for
     ops we ship no kernel for, DeepSpeed's own for prebuilt ops, None where DeepSpeed has none."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "deepspeed_support"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "support", "deepspeed_support"))
     import dsenv
     dsenv.require_deepspeed()
     from mps_fused_adam.deepspeed import builders

@@ -1,6 +1,6 @@
 """DeepSpeed's real ZeRO code through this package's MPS accelerator, in pseudo-MPS mode.
 
-Pseudo-MPS mode (tests/deepspeed_support/pseudo_mps.py): the MPS queries are stand-ins, the
+Pseudo-MPS mode (tests/support/deepspeed_support/pseudo_mps.py): the MPS queries are stand-ins, the
 accelerator's device is the CPU, and everything else is what a Mac runs: DeepSpeed auto-detects
 "MPS" when it is imported, ``install()`` builds the extended ``MPS_Accelerator`` of the installed
 DeepSpeed release (the stub of 0.14 to 0.19.5, or the complete class), and the engine, the ZeRO
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "deepspeed_support"))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support" / "deepspeed_support"))
 import dsenv  # noqa: E402
 from test_deepspeed_zero import RUNNER, SINGLE as _ALL_SINGLE, _check  # noqa: E402
 

@@ -24,7 +24,7 @@ import torch
 
 from mps_fused_adam.deepspeed import ops
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "deepspeed_support"))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support" / "deepspeed_support"))
 import dsenv  # noqa: E402
 
 # (param dtype, state dtype): every pair the update accepts, fp32 included as the control.

@@ -17,7 +17,7 @@ import torch
 from mps_fused_adam.numerics.contract import AdamHyper
 from mps_fused_adam.numerics.reference import reference_adam_
 
-sys.path.insert(0, str(Path(__file__).parent / "deepspeed_support"))
+sys.path.insert(0, str(Path(__file__).parent / "support" / "deepspeed_support"))
 import dsenv  # noqa: E402
 
 SCRIPT = textwrap.dedent("""

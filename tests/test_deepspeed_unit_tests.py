@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "deepspeed_support"))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support" / "deepspeed_support"))
 import dsenv  # noqa: E402
 
 TEXT_TOOLS = ("cat", "grep", "sort", "wc", "ls", "uname")

@@ -22,7 +22,7 @@ import torch
 
 from mps_fused_adam.deepspeed import ops, zenflow
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "deepspeed_support"))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support" / "deepspeed_support"))
 import zenflow_worker  # noqa: E402
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"),

@@ -3,7 +3,7 @@
 ZenFlow runs the offloaded Adam step in its own optimizer process, driven through the cpu_adam
 op's cross-process API (zenflow_adam_*). Here stages 1 and 2, fp32 and bf16, 1 process and 2
 processes over gloo, train 8 steps in subprocesses with no compiler and no ninja
-(tests/deepspeed_support/zenflow_runner.py), and the tests check:
+(tests/support/deepspeed_support/zenflow_runner.py), and the tests check:
 
 * DeepSpeed built ``ZenFlowZeroOptimizerParallel``, its op is our facade, and our optimizer
   process ran every step on the ``cpu`` backend (it records that in the control block), then
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "deepspeed_support"))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support" / "deepspeed_support"))
 import dsenv  # noqa: E402
 
 RUNNER = str(dsenv.SUPPORT / "zenflow_runner.py")

@@ -4,7 +4,7 @@ Adagrad (stages 1-3 with CPU offload: DeepSpeedCPUAdagrad; without offload DeepS
 torch.optim.Adagrad, which needs no kernel of ours).
 
 Every configuration runs ``deepspeed.initialize`` and 5 training steps on DeepSpeed's CPU
-accelerator with gloo, in subprocesses that have no compiler and no ninja (tests/deepspeed_support/
+accelerator with gloo, in subprocesses that have no compiler and no ninja (tests/support/deepspeed_support/
 dsenv.py), and checks:
 
 * the loss trajectory against the same model trained with the reference optimizer
@@ -53,7 +53,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "deepspeed_support"))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support" / "deepspeed_support"))
 import dsenv  # noqa: E402
 
 RUNNER = str(dsenv.SUPPORT / "zero_runner.py")

@@ -8,7 +8,7 @@ would leak into the next block and into the rest of the suite; neither knows thi
 here are the README's set-up commands, and skips without a reason, which the README set-up check
 of CI refuses); and either would be one more test requirement for a newcomer to install. Here each
 block is one ``python -c`` subprocess in an empty directory; a block that imports deepspeed runs
-with no compiler, linker or ninja on PATH (tests/deepspeed_support/dsenv.py), so it proves that
+with no compiler, linker or ninja on PATH (tests/support/deepspeed_support/dsenv.py), so it proves that
 nothing is JIT-built.
 
 Conventions (docs/development.md, "Documentation"):
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "deepspeed_support"))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support" / "deepspeed_support"))
 import dsenv  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -2,7 +2,7 @@
 them steps each rank's shards bit for bit as it steps the unsharded model, its states are DTensors
 laid out as their params and survive a torch.distributed.checkpoint round trip, and a grad or
 state laid out otherwise is refused naming the param, before anything changes
-(tests/dtensor_worker.py runs the ranks)."""
+(tests/support/dtensor_worker.py runs the ranks)."""
 from __future__ import annotations
 
 import json
@@ -18,7 +18,7 @@ import mps_fused_adam as mfa
 
 from optim_db import OPTIM_DB
 
-WORKER = Path(__file__).with_name("dtensor_worker.py")
+WORKER = Path(__file__).resolve().parent / "support" / "dtensor_worker.py"
 
 
 def _free_port() -> int:

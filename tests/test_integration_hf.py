@@ -28,7 +28,7 @@ integration.require("accelerate")
 import mps_fused_adam as mfa  # noqa: E402
 from mps_fused_adam.optimizers import consumed_grads  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "deepspeed_support"))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support" / "deepspeed_support"))
 import dsenv  # noqa: E402
 
 STEPS, BATCH, SEQ, VOCAB = 6, 4, 16, 96
@@ -233,7 +233,7 @@ import json, os, sys
 import mps_fused_adam.deepspeed
 mps_fused_adam.deepspeed.install()
 import torch, transformers
-sys.path.insert(0, os.environ["MFA_TEST_DIR"])
+sys.path[:0] = [os.environ["MFA_TEST_DIR"], os.path.join(os.environ["MFA_TEST_DIR"], "support")]
 import test_integration_hf as t
 ds_config = {"train_micro_batch_size_per_gpu": t.BATCH, "gradient_accumulation_steps": "auto",
              "gradient_clipping": "auto", "train_batch_size": "auto",

@@ -271,7 +271,7 @@ def test_every_line_of_the_kernel_runs(tmp_path):
                 run_8bit(cov, 300, pdtype, mode, sr=sr, steps=1, specials=True)
                 run_4bit(cov, 301, pdtype, mode, sr=sr, steps=1, specials=True)
     cov.lib.emu_coverage_dump()
-    proc = subprocess.run([gcov, "-m", "-o", str(tmp_path), str(Path(__file__).parent / "metal_emulator.cpp")],
+    proc = subprocess.run([gcov, "-m", "-o", str(tmp_path), str(Path(__file__).parent / "support" / "metal_emulator.cpp")],
                           cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     report = (tmp_path / "fused_adam.metal.gcov").read_text()

@@ -1,4 +1,4 @@
-"""The raw-Metal harness (tests/metal_harness.py): on the host emulator here, on a real Metal device
+"""The raw-Metal harness (tests/support/metal_harness.py): on the host emulator here, on a real Metal device
 where pyobjc and one are present (the hosted macOS job), and its pyobjc calls against pyobjc's metadata.
 
 On Linux the harness's cases, layout, reference and comparison run against the host emulator
@@ -28,7 +28,7 @@ from mps_fused_adam.backends.mps import KERNELS, METALLIB_NAME
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
-DRIVER = TESTS / "metal_pyobjc.py"
+DRIVER = TESTS / "support" / "metal_pyobjc.py"
 
 
 def require_metal() -> bool:
@@ -201,7 +201,7 @@ def test_skips_under_require_metal(emu):
 
 @pytest.fixture
 def fake_driver(emu, monkeypatch, tmp_path):
-    """tests/metal_pyobjc.py imported over tests/fake_pyobjc.py's Metal, Foundation and objc,
+    """tests/support/metal_pyobjc.py imported over tests/support/fake_pyobjc.py's Metal, Foundation and objc,
     and a placeholder metallib: (the module, the metallib path)."""
     import fake_pyobjc
     for name, module in fake_pyobjc.modules(emu).items():
@@ -454,7 +454,7 @@ def test_pyobjc_calls_match_metadata():
 
 
 def test_the_driver_is_the_only_pyobjc_code():
-    """The Apple-only surface of the harness is tests/metal_pyobjc.py alone, and stays small."""
+    """The Apple-only surface of the harness is tests/support/metal_pyobjc.py alone, and stays small."""
     importers = []
     # The package as installed (a wheel's test run has no python/ folder) and the CI scripts that
     # cibuildwheel's test-sources copy.
@@ -466,6 +466,6 @@ def test_the_driver_is_the_only_pyobjc_code():
         names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         if names & {"Metal", "Foundation", "objc", "AppKit", "Quartz"}:
             importers.append(path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else str(path))
-    assert importers == ["tests/metal_pyobjc.py"]
+    assert importers == ["tests/support/metal_pyobjc.py"]
     code = [l for l in DRIVER.read_text().splitlines() if l.strip() and not l.strip().startswith("#")]
     assert len(code) < 150, len(code)

@@ -154,7 +154,7 @@ def _clang() -> str | None:
 
 @pytest.mark.skipif(sys.platform == "darwin", reason="on macOS the wheel build compiles it for real")
 def test_objective_cpp_parses_against_documented_api():
-    """clang parses metal_adam.mm in Objective-C++/ARC mode against tests/objc_stubs, which declare
+    """clang parses metal_adam.mm in Objective-C++/ARC mode against tests/support/objc_stubs, which declare
     only the Foundation/Metal/dyld API it uses, as Apple documents it (a wrong selector, argument
     type or block capture fails here). Syntax and types only: nothing runs."""
     import subprocess
@@ -164,7 +164,7 @@ def test_objective_cpp_parses_against_documented_api():
     nb_inc = Path(nanobind.include_dir())
     cmd = [clang, "-fsyntax-only", "-x", "objective-c++", "-std=c++17", "-fobjc-arc", "-fblocks",
            "-fobjc-runtime=macosx-14.0", "-Wall", "-Wextra", "-Werror",
-           f"-I{Path(__file__).parent / 'objc_stubs'}", f"-I{nb_inc}",
+           f"-I{Path(__file__).parent / 'support' / 'objc_stubs'}", f"-I{nb_inc}",
            f"-I{nb_inc.parent / 'ext' / 'robin_map' / 'include'}",
            f"-I{sysconfig.get_paths()['include']}", str(MM)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -349,7 +349,7 @@ def test_step_encodes_on_the_callers_stream_without_committing():
     inside the block that get_dispatch_queue() still gives that queue before it touches the command
     buffer (2.15's getCommandBuffer aborts off its stream's queue: tests/test_apple_artifacts.py),
     raises after the block when it did not, and never commits (PyTorch commits its command buffer;
-    docs/torch-releases.md says why). The emulated _metal (tests/emulated_mps.py) does the same."""
+    docs/torch-releases.md says why). The emulated _metal (tests/support/emulated_mps.py) does the same."""
     code = re.sub(r"//[^\n]*", "", MM.read_text())
     step = code[code.index("void step("):code.index("NB_MODULE")]
     assert "commit" not in code and "_ZN5torch3mps6commitEv" not in code

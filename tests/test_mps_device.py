@@ -3,7 +3,7 @@ reference computed on the CPU. Skipped without MPS, except where MFA_REQUIRE_MPS
 pipeline's Apple Silicon job), which makes a missing device a failure and strict everything else:
 a tier that fails to load or to probe a kernel fails its test with the reason (only the gates of a
 torch release that lacks what the tier needs stand a tier aside, and a bfloat pipeline that does
-not build is reported as a skip: the raw harness, tests/metal_pyobjc.py, fails it where the device
+not build is reported as a skip: the raw harness, tests/support/metal_pyobjc.py, fails it where the device
 documents bfloat); on torch >= 2.9 with the metallib present tier 1 must be the chosen tier.
 
 Untested on Apple hardware until that job has run: these tests have only been collected and

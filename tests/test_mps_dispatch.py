@@ -1,6 +1,6 @@
 """The Python dispatch of MPS tiers 1-3 (backends/mps.py), end to end on CPU tensors.
 
-The stand-ins of tests/emulated_mps.py take the place of the ``_metal`` extension and of torch's
+The stand-ins of tests/support/emulated_mps.py take the place of the ``_metal`` extension and of torch's
 ShaderLibrary and run the shipped kernel source through the host emulator, so argument packing,
 grid sizes, kernel choice and fallbacks are exercised with the real dispatch code and real numbers.
 """

@@ -1,5 +1,5 @@
 """Kernel by kernel on the MPS tiers (backends/chain.py, backends/mps.py), end to end on CPU
-tensors through the stand-ins of tests/emulated_mps.py (the shipped kernel source, emulated):
+tensors through the stand-ins of tests/support/emulated_mps.py (the shipped kernel source, emulated):
 
 - a kernel whose pipeline cannot be built (a device without bfloat; any Metal error) is
   unavailable at that tier with the reason, and only the tensors that need it go to the next tier;

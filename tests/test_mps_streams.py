@@ -1,4 +1,4 @@
-"""Tier 1 and PyTorch's MPS streams, in the emulator (tests/emulated_mps.py).
+"""Tier 1 and PyTorch's MPS streams, in the emulator (tests/support/emulated_mps.py).
 
 What torch::mps's hooks do per release is read from the macOS wheels by tests/test_apple_artifacts.py
 (HOOKS_CURRENT_STREAM_MIN_TORCH): up to 2.14 they take the default stream; from 2.15 the calling

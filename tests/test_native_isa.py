@@ -1,5 +1,5 @@
 """The SIMD builds of the CPU kernel against the scalar build, bit for bit, in a native harness
-(tests/native/isa_parity.cpp): arm64 NEON cross-compiled and run under qemu-aarch64, and each x86
+(tests/support/native/isa_parity.cpp): arm64 NEON cross-compiled and run under qemu-aarch64, and each x86
 build the CPU here runs natively. The harness reaches what the Python API cannot, such as
 stochastic rounding at element indices across 2^32. (The x86 builds also run through the
 extension in test_cpu_kernel.py.)"""
@@ -45,7 +45,7 @@ def _assert_search_checked(stdout: str) -> None:
 def test_neon_matches_scalar_under_qemu(tmp_path):
     cxx, qemu = require_tool("aarch64-linux-gnu-g++", "qemu-aarch64")
     exe = tmp_path / "isa_parity"
-    subprocess.run([cxx, *FLAGS, f"-I{SRC}", "-DMFA_NATIVE_NS=isa_neon", str(ROOT / "tests/native/isa_parity.cpp"),
+    subprocess.run([cxx, *FLAGS, f"-I{SRC}", "-DMFA_NATIVE_NS=isa_neon", str(ROOT / "tests/support/native/isa_parity.cpp"),
                     str(SRC / "adam_scalar.cpp"), str(SRC / "adam_neon.cpp"), "-o", str(exe)], check=True)
     run = subprocess.run([qemu, str(exe), _kernel_tables(tmp_path)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -90,7 +90,7 @@ def test_x86_build_matches_scalar_natively(tmp_path, isa):
     [cxx] = require_tool("g++")
     base = [cxx, *[f for f in FLAGS if f != "-static"], f"-I{SRC}"]
     objs = []
-    for src, extra in ((ROOT / "tests/native/isa_parity.cpp", [f"-DMFA_NATIVE_NS=isa_{isa}"]),
+    for src, extra in ((ROOT / "tests/support/native/isa_parity.cpp", [f"-DMFA_NATIVE_NS=isa_{isa}"]),
                        (SRC / "adam_scalar.cpp", []), (SRC / f"adam_{isa}.cpp", _build_flags(isa))):
         obj = tmp_path / (src.stem + ".o")
         subprocess.run([*base, *extra, "-c", str(src), "-o", str(obj)], check=True)

@@ -1,5 +1,5 @@
 """The optimizer classes driving the Metal tiers: each tier of mps_backends, its Apple pieces
-replaced by stand-ins that run the shipped kernel source (tests/emulated_mps.py), is installed as
+replaced by stand-ins that run the shipped kernel source (tests/support/emulated_mps.py), is installed as
 the backend for CPU tensors, so optimizer -> validation -> bucketing -> Metal dispatch runs end to
 end with real numbers. Bad input must be rejected before anything is encoded."""
 from __future__ import annotations

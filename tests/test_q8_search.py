@@ -1,7 +1,7 @@
 """The CPU 8-bit kernel's nearest-code search (src/cpu/q8_search.h and each SIMD path's
 quantize in adam8bit_kernel.h) against the reference (reference_lowbit.quantize, a searchsorted
 over the midpoints), on every fp32 near every midpoint of both maps and on the special classes
-(tests/q8_cases.py); the Metal source's search is held to the same cases in test_metal_emulator.py."""
+(tests/support/q8_cases.py); the Metal source's search is held to the same cases in test_metal_emulator.py."""
 from __future__ import annotations
 
 import pytest

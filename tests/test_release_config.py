@@ -44,7 +44,7 @@ def _is_repo_root(node: ast.AST) -> bool:
     """ROOT / REPO (bound to the checkout in the test modules), or Path(__file__)...parents[1] /
     .parent.parent written out."""
     text = ast.unparse(node)
-    return text in ("ROOT", "REPO") or ("__file__" in text and ("parents[1]" in text or "parent.parent" in text))
+    return text in ("ROOT", "REPO") or ("__file__" in text and ("parents[1]" in text or "parents[2]" in text or "parent.parent" in text))
 
 
 def _leading_strings(nodes) -> list[str]:

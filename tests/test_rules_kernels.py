@@ -249,7 +249,7 @@ def test_metal_one_state_shape_indices_past_2_pow_32(kernel_emu, rule):
 @pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=pair_id)
 def test_mps_tiers_1_to_3_match_reference(emu, pkg, rule, pair):
     """The three MPS tiers' dispatch code (backends/mps.py), its Apple pieces replaced by stand-ins
-    that run the shipped kernels (tests/emulated_mps.py), on params at odd storage offsets."""
+    that run the shipped kernels (tests/support/emulated_mps.py), on params at odd storage offsets."""
     from emulated_mps import make_backend
     flat = make(rule, 5000, *pair, seed=1)
     sizes, off = (1, 5, 4097, 3), 1

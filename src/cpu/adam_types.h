@@ -94,7 +94,7 @@ static_assert(sizeof(Adam8bitScalars) == 48, "Adam8bitScalars: see 8-bit Adam on
 // Adding a rule: one line here, its functor in rules.h, its scalar struct above (written from its
 // contract.py NamedTuple by ci/scalar_structs.py); every ISA x dtype pair is
 // then instantiated from this list (kernel.h) and bound by name (bindings.cpp). The native parity
-// harness (tests/native/isa_parity.cpp) runs every rule of this list and needs its example scalars.
+// harness (tests/support/native/isa_parity.cpp) runs every rule of this list and needs its example scalars.
 // "floor" is the benchmark's memory floor: Adam's access pattern with trivial math, Adam's scalars;
 // "floor1" that of the one-state rules (Lion, Adagrad: 3 reads, 2 writes), Lion's scalars.
 #define MFA_RULES(X)                                      \

@@ -7,7 +7,7 @@
 // [params, grads, state lists...], each tensor a (MTLBuffer handle, byte offset, numel) triple;
 // list k binds to buffer k, then the scalar blob (the rule's struct), base and n. Stream: torch's
 // default up to 2.14, the caller's current from 2.15 (HOOKS_CURRENT_STREAM_MIN_TORCH). Caller:
-// backends/mps.py; stand-in: tests/emulated_mps.py. Untested on Apple hardware (checks:
+// backends/mps.py; stand-in: tests/support/emulated_mps.py. Untested on Apple hardware (checks:
 // tests/test_apple_artifacts.py).
 #import <Foundation/Foundation.h>
 #import <Metal/Metal.h>

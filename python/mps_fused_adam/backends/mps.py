@@ -12,7 +12,7 @@ unavailable at that tier with the reason; ``backends.chain.TierChain`` sends its
 next tier and keeps the rest where they are.
 
 The device-specific pieces are parameters of :func:`mps_tiers` so the tests can drive this exact
-code on CPU tensors through stand-ins built from the same kernel source (tests/emulated_mps.py):
+code on CPU tensors through stand-ins built from the same kernel source (tests/support/emulated_mps.py):
 ``load_ext`` (imports ``_metal``), ``mps_api`` (the object with ``load_metallib`` and
 ``compile_shader``, normally ``torch.mps``) and ``package_dir`` (where the bundled files are).
 

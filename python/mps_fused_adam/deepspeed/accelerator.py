@@ -39,7 +39,7 @@ def set_device_type(device_type: str) -> None:
     """The torch device type the accelerator's tensors live on: ``"mps"`` (always, outside tests).
 
     The pseudo-MPS test mode sets ``"cpu"``, so that DeepSpeed's real ZeRO code runs through this
-    very accelerator on a machine without MPS (tests/deepspeed_support/pseudo_mps.py).
+    very accelerator on a machine without MPS (tests/support/deepspeed_support/pseudo_mps.py).
     """
     if device_type not in ("mps", "cpu"):
         raise ValueError(f"device_type must be 'mps' or 'cpu', got {device_type!r}")

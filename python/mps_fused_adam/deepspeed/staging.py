@@ -69,7 +69,7 @@ OUTPUTS: Dict[str, Tuple[str, ...]] = {
 _ALWAYS_ASYNC = ("isend", "irecv")
 
 #: The torch device type whose tensors gloo cannot touch. The pseudo-MPS test mode
-#: (tests/deepspeed_support/pseudo_mps.py) sets it to "cpu", so that staging really happens there.
+#: (tests/support/deepspeed_support/pseudo_mps.py) sets it to "cpu", so that staging really happens there.
 DEVICE_TYPE = "mps"
 
 

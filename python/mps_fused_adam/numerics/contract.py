@@ -36,7 +36,7 @@ How to add an update rule (Lion, Adagrad, ...): only what must differ between ru
 3. Its scalar structs, C++ ``<Rule>Scalars`` and Metal ``<Rule>Params``, written from the
    ``NamedTuple``: one line in ``ci/scalar_structs.py``'s ``STRUCTS``, then ``python
    ci/scalar_structs.py`` (tests/test_scalar_layouts.py fails on a stale or a wrong struct); its
-   lines in ``MFA_RULES`` (``src/cpu/adam_types.h``) and ``FUSED_RULES`` (the .metal file); and its parity examples (``tests/native/isa_parity.cpp``,
+   lines in ``MFA_RULES`` (``src/cpu/adam_types.h``) and ``FUSED_RULES`` (the .metal file); and its parity examples (``tests/support/native/isa_parity.cpp``,
    ``examples(Tag<RuleId::X>)``: without them the NEON/x86 parity run does not compile).
 4. Its public class (``optimizers/fused.py``: ``_rule``, the constructor, ``_check_group``,
    ``_hyper``, ``_new_state`` when a state does not start at 0; its name in
@@ -63,7 +63,7 @@ c. Its kernels: the ``_cpu`` entry with ``adam8bit_step_many``'s arguments (``sr
    its scalars differ from the 8-bit ones) is a line of ``ci/scalar_structs.py``'s ``STRUCTS``.
 d. Its state format (``optimizers/state_formats.py``: ``rule``/``sr_rule`` the entry's name,
    ``names`` its ``Blocks.names``) and the class or option that picks it; its tests against its
-   reference (the test harnesses' own low-bit cases: tests/metal_harness.py, test_scalar_layouts'
+   reference (the test harnesses' own low-bit cases: tests/support/metal_harness.py, test_scalar_layouts'
    ``TUPLE_FIELDS``).
 
 Everything else follows from :data:`RULES` and the rule's :class:`Example`: the CPU kernel on

@@ -4,7 +4,7 @@ Used by tests/test_deepspeed_zero.py in a subprocess (importing DeepSpeed is slo
 process runs many configurations; the process environment carries no compiler and no ninja,
 which proves nothing is JIT-built). Also usable by hand:
 
-    PYTHONPATH=python python tests/deepspeed_support/zero_runner.py s2-off:fp32 s3:bf16
+    PYTHONPATH=python python tests/support/deepspeed_support/zero_runner.py s2-off:fp32 s3:bf16
 
 Each argument is ``<config>:<dtype>[:<optimizer>]`` with config one of CONFIGS and optimizer one of
 OPTIMIZERS (default ``adamw``), or ``grads-<config>:<dtype>`` (GRAD_STEPS AdamW steps on a fixed

@@ -37,8 +37,8 @@ from pathlib import Path
 
 import torch
 
-TESTS_DIR = Path(__file__).resolve().parent
-REPO = TESTS_DIR.parent
+TESTS_DIR = Path(__file__).resolve().parent  # tests/support: metal_compat.h and metal_emulator.cpp
+REPO = Path(__file__).resolve().parents[2]
 METAL_SOURCE = REPO / "metal" / "fused_adam.metal"
 CXXFLAGS = ["-std=c++17", "-ffp-contract=off", "-fno-strict-aliasing", "-fPIC", "-Wall", "-Wextra"]
 

@@ -1,7 +1,7 @@
 """Run by tests/test_dtensor.py: WORLD ranks over gloo on the CPU, each stepping FSDP2-sharded
 params (DTensors) with this package's optimizers; rank 0 writes what it found as JSON.
 
-Usage: python tests/dtensor_worker.py WORLD PORT OUT.json
+Usage: python tests/support/dtensor_worker.py WORLD PORT OUT.json
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -17,10 +18,11 @@ import torch.multiprocessing as mp
 
 import mps_fused_adam as mfa
 
-from optim_db import OPTIM_DB
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the optimizer table
+from optim_db import OPTIM_DB  # noqa: E402
 
-# Every class that steps DTensor params, under each label of its optim_db entry (run as a script:
-# this directory is on sys.path).
+# Every class that steps DTensor params, under each label of its optim_db entry (run as a script
+# from tests/support/).
 OPTIMIZERS = {label: (lambda ps, cls=info.cls, kw=kw: cls(ps, **kw))
               for info in OPTIM_DB.values() for label, kw in info.dtensor.items()}
 

@@ -1,6 +1,6 @@
 """Stand-ins for pyobjc's ``Metal``, ``Foundation`` and ``objc`` modules, backed by the host emulator.
 
-So that the Apple-only driver (tests/metal_pyobjc.py) runs on Linux too: the same selectors
+So that the Apple-only driver (tests/support/metal_pyobjc.py) runs on Linux too: the same selectors
 (pyobjc spelling), buffers in host memory (``objc.pyobjc_id`` gives their address, as it gives
 an ``id<MTLBuffer>`` on a Mac), and an encoder that records ``setBuffer:offset:atIndex:`` and
 ``setBytes:length:atIndex:`` and runs each ``dispatchThreads:threadsPerThreadgroup:`` through the

@@ -2,7 +2,7 @@
 
 :class:`MetalDevice` is ``metal_harness.Device`` on ``MTLCreateSystemDefaultDevice()``: the
 wheel's ``fused_adam.metallib``, one pipeline per kernel, shared-storage buffers, one command
-buffer per step, waited on. ``python tests/metal_pyobjc.py --mm METALLIB`` runs the ``.mm``
+buffer per step, waited on. ``python tests/support/metal_pyobjc.py --mm METALLIB`` runs the ``.mm``
 (``_metal.load`` / ``_metal.step``) on buffers made here, on torch's MPS stream, and prints JSON
 lines (tests/test_metal_harness.py runs it in a child process, so that an abort inside torch is
 reported, not lost). Every selector, function and constant used here is checked against
@@ -17,7 +17,7 @@ import sys
 
 # pyobjc exists only on macOS: pytest never collects this file (not test_*.py), and
 # tests/test_metal_harness.py imports it, or runs it, only after checking for macOS and pyobjc
-# (on Linux through tests/fake_pyobjc.py's stand-in modules).
+# (on Linux through tests/support/fake_pyobjc.py's stand-in modules).
 import Foundation
 import Metal
 import objc
@@ -126,5 +126,5 @@ def mm_main(metallib: str, selected=None) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["--mm"] or len(sys.argv) != 3:
-        sys.exit("usage: python tests/metal_pyobjc.py --mm METALLIB")
+        sys.exit("usage: python tests/support/metal_pyobjc.py --mm METALLIB")
     mm_main(sys.argv[2])

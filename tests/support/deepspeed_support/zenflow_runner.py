@@ -3,7 +3,7 @@ runs in ZenFlow's optimizer process) on DeepSpeed's CPU accelerator over gloo; p
 
 Used by tests/test_deepspeed_zenflow_zero.py in subprocesses with no compiler and no ninja:
 
-    PYTHONPATH=python python tests/deepspeed_support/zenflow_runner.py ours s2:fp32 s3:bf16
+    PYTHONPATH=python python tests/support/deepspeed_support/zenflow_runner.py ours s2:fp32 s3:bf16
 
 The first argument picks the kernel behind ``CPUAdamBuilder`` in both processes: ``ours``
 (``install()``), or ``deepspeed`` (DeepSpeed's own ``cpu_adam`` op, JIT-built beforehand and named

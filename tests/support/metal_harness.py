@@ -3,7 +3,7 @@
 The device-independent half of the raw-Metal harness (issue 27): it lays out the buffers, runs
 each case's steps through a :class:`Device`, computes the expected values with the package's
 reference (``reference.py``, ``reference_lowbit.py``) and compares. Two devices implement the
-interface: :class:`EmulatorDevice` here (the host emulator, ``tests/metal_emulator.cpp``, on
+interface: :class:`EmulatorDevice` here (the host emulator, ``tests/support/metal_emulator.cpp``, on
 Linux in every test run) and ``metal_pyobjc.MetalDevice`` (a real Metal device through pyobjc:
 the only Apple-only code). The ``.mm`` itself is driven by :func:`run_case` with an
 :class:`ExtSubmit`, which hands the same buffers to ``_metal.step`` as (handle, offset, numel).
@@ -473,7 +473,7 @@ class EmulatorDevice:
         self.runs = 0
 
     def describe(self) -> list[str]:
-        return [f"device: {self.name} (metal/fused_adam.metal compiled as C++17, tests/metal_emulator.cpp)",
+        return [f"device: {self.name} (metal/fused_adam.metal compiled as C++17, tests/support/metal_emulator.cpp)",
                 "GPU families: none (not a GPU); bfloat: emulated (metal_compat.h)"]
 
     def kernel_names(self) -> set[str]:
