@@ -417,6 +417,9 @@ struct Codes8 {
     const uint c = code_of(x, table);
     return c == 0 && x > 0.0f ? 1u : c;
   }
+  // The second moment's stored scale: an infinite one already dequantizes its block to NaN
+  // (the zero code times inf).
+  static inline float scale2(float s) { return s; }
 };
 
 // Nibbles4: two codes per byte (byte k = code(2k) << 4 | code(2k + 1)), blocks of 128,
@@ -436,6 +439,13 @@ struct Nibbles4 {
     return c;
   }
   static inline uint code2(float x, device const float* table) { return code1(x, table); }
+  // The second moment's stored scale, +inf stored as the NaN 0xFFC00000, so that the block
+  // dequantizes to NaN as an 8-bit one does; the zero-free map would give inf and freeze the whole
+  // block silently (lowbit4.py, "Quantize one block"). Fixed bits: the sign of a NaN made by
+  // arithmetic is the device's.
+  static inline float scale2(float s) {
+    return as_type<uint>(s) == 0x7F800000u ? as_type<float>(0xFFC00000u) : s;
+  }
 };
 
 // Code i of a tensor's codes in format Fmt.
@@ -536,7 +546,7 @@ kernel void fused_step_blockwise(device P* param [[buffer(0)]],
     }
   }
   absmax1[b] = mx1;
-  absmax2[b] = mx2;
+  absmax2[b] = Fmt::scale2(mx2);
 }
 
 // The instantiation lists. FUSED_RULES names each rule once: M(X, rule struct, host name, states);

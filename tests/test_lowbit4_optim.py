@@ -75,6 +75,41 @@ def test_steps_match_the_reference(cls, dtype, sr):
         assert st[NAMES[0]].shape == ((p.numel() + 1) // 2,) and st[NAMES[1]].shape == (math.ceil(p.numel() / 128),)
 
 
+@pytest.mark.parametrize("cls", ["AdamW4bit", "AdamW8bit"])
+def test_an_overflowing_gradient_fails_its_block_visibly(cls):
+    """One gradient element whose square overflows fp32 (a second-moment scale of +inf): the next
+    step turns that element's whole block into NaN, as for AdamW8bit and torchao, instead of
+    freezing its healthy neighbours silently (4-bit: the zero-free map would dequantize them all
+    to inf, their updates to 0). Other blocks step as before."""
+    torch.manual_seed(0)
+    n, block = 4 * 256, (lowbit4.BLOCK4 if cls == "AdamW4bit" else lowbit.BLOCK)
+    p = torch.nn.Parameter(torch.randn(n))
+    healthy = torch.nn.Parameter(p.detach().clone())
+    opts = [getattr(mfa, cls)([x], lr=1e-2, min_4bit_size=1) if cls == "AdamW4bit" else
+            getattr(mfa, cls)([x], lr=1e-2, min_8bit_size=1) for x in (p, healthy)]
+    scale2 = NAMES[3] if cls == "AdamW4bit" else "exp_avg_sq_absmax"
+    for step in range(3):
+        g = torch.randn(n) * 1e-2
+        p.grad, healthy.grad = g.clone(), g.clone()
+        if step == 1:
+            p.grad[block + 5] = 1e20  # its square is inf in fp32
+        for o in opts:
+            o.step()
+        if step == 1:  # 4-bit stores NaN (lowbit4.stored_scale2); 8-bit keeps inf, its zero code makes NaN
+            s = opts[0].state[p][scale2][1]
+            assert math.isnan(s) if cls == "AdamW4bit" else s == float("inf"), opts[0].state[p][scale2][:3]
+    assert torch.isnan(p[block:2 * block]).all()  # the whole block, loudly
+    assert torch.equal(p[:block], healthy[:block]) and torch.equal(p[2 * block:], healthy[2 * block:])
+
+
+def test_stored_scale2_rule():
+    """lowbit4.stored_scale2: +inf becomes the fixed NaN 0xFFC00000; finite, zero and NaN scales stay."""
+    a = torch.tensor([0.0, 1.5, float("inf"), float("nan"), 3e38])
+    out = lowbit4.stored_scale2(a)
+    assert out.view(torch.int32)[2].item() & 0xFFFFFFFF == 0xFFC00000
+    assert torch.equal(out[[0, 1, 4]], a[[0, 1, 4]]) and torch.isnan(out[3])
+
+
 def test_step_in_backward_matches_step():
     def run(in_backward):
         torch.manual_seed(0)

@@ -436,7 +436,11 @@ __attribute__((flatten)) void adam4bit_blocks(const Q4Job& job, int64_t b0, int6
       }
     }
     absmax1[b] = s1;
-    absmax2[b] = s2;
+    // +inf stored as the NaN 0xFFC00000 (lowbit4.stored_scale2): fixed bits, since the sign of a
+    // NaN made by arithmetic is the CPU's.
+    uint32_t s2_bits;
+    __builtin_memcpy(&s2_bits, &s2, 4);
+    absmax2[b] = s2_bits == 0x7F800000u ? q8::from_bits(0xFFC00000u) : s2;
   }
 }
 

@@ -34,6 +34,11 @@ per-call scalars (``lowbit.Adam8bitScalars``, clamp included: ``lowbit.adam8bit_
   (:func:`midpoints4`). No positive floor: the unsigned map has no zero. (torchao divides each
   element by ``max(absmax, 1e-12)`` and rounds ties up; its codes can differ from ours only for
   values within an ulp of a midpoint, and the codes mean the same values, so states convert.)
+  The second moment's scale is then stored by :func:`stored_scale2`: ``+inf`` (a gradient above
+  about 1.8e19 squared into it) is stored as NaN, so the block dequantizes to NaN at the next step
+  and the run fails visibly, as an 8-bit block does (its zero code times ``inf``). Kept as ``inf``,
+  the zero-free map would dequantize every element of the block to ``inf`` and their updates to 0
+  for good: 127 healthy elements frozen silently.
 - **Packing.** The codes of elements ``2i`` and ``2i + 1`` share byte ``i``:
   ``byte = (code[2i] << 4) | code[2i + 1]`` (high nibble = even element; torchao's order). A
   tensor of ``n`` elements has ``ceil(n / 2)`` code bytes, a 1-D uint8 tensor whatever the
@@ -119,6 +124,21 @@ def kernel_table4(signed: bool, device: torch.device | str = "cpu") -> torch.Ten
     (:data:`KT4_VALUES`), the 15 midpoints (:data:`KT4_MIDS`) and one 0 pad."""
     device = torch.device(device)
     return _kernel_table4_cpu(bool(signed)) if device.type == "cpu" else _kernel_table4_on(bool(signed), device)
+
+
+# The NaN stored_scale2 stores, as fp32 bits (int32): x86's default NaN, which its arithmetic makes
+# too, so that on x86 every NaN of such a step is one pattern. Fixed, since the sign of a NaN made
+# by arithmetic is the device's (clear on arm64); a NaN param's bits are not part of the contract.
+STORED_NAN_BITS = -0x00400000  # 0xFFC00000
+
+
+def stored_scale2(absmax: torch.Tensor) -> torch.Tensor:
+    """The second moment's block scales as stored: ``absmax``, except that ``+inf`` becomes the
+    NaN :data:`STORED_NAN_BITS` (a fixed bit pattern, which every implementation stores).
+    Applied after the block's codes are taken, which do not depend on it (every element of a
+    block with an infinite or NaN scale takes code 0)."""
+    nan = torch.tensor(STORED_NAN_BITS, dtype=torch.int32).view(torch.float32).to(absmax.device)
+    return torch.where(absmax == float("inf"), nan, absmax)
 
 
 def num_blocks4(numel: int) -> int:

@@ -156,6 +156,7 @@ def reference_adam4bit_(param: torch.Tensor, grad: torch.Tensor, exp_avg_codes: 
     m, v = _lowbit_adam_(param, grad, m, v, hp, sr_key, BLOCK4, (exp_avg_absmax, exp_avg_sq_absmax))
     exp_avg_codes.copy_(quantize4(m.reshape(-1), exp_avg_absmax, True))
     exp_avg_sq_codes.copy_(quantize4(v.reshape(-1), exp_avg_sq_absmax, False))
+    exp_avg_sq_absmax.copy_(lowbit4.stored_scale2(exp_avg_sq_absmax))
 
 
 @torch.no_grad()

@@ -205,7 +205,7 @@ class Blockwise4bit(_Blockwise):
             t = t.detach().to("cpu", torch.float32).reshape(-1).contiguous()
             scale = reference_lowbit.block_absmax(t, lowbit4.BLOCK4)
             out[codes] = reference_lowbit.quantize4(t, scale, signed).to(device)
-            out[absmax] = scale.contiguous().to(device)
+            out[absmax] = (scale if signed else lowbit4.stored_scale2(scale)).contiguous().to(device)
         return out
 
 
