@@ -221,6 +221,12 @@ def test_4bit_state_dict_into_8bit_is_refused_clearly():
 def test_rejected_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
         mfa.AdamW4bit([torch.nn.Parameter(torch.zeros(4))], **kwargs)
+    # The same option in a group added later is refused too (not stepped without it), and the
+    # optimizer keeps its groups.
+    opt = mfa.AdamW4bit([torch.nn.Parameter(torch.zeros(4))])
+    with pytest.raises(ValueError, match=match.replace("AdamW4bit does", "AdamW4bit param_groups.1. does")):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(4))], **kwargs})
+    assert len(opt.param_groups) == 1
 
 
 def test_group_defaults_and_keys():

@@ -95,13 +95,19 @@ class Adam8bit(_Adam8bitBase):
                  differentiable: bool = False, fused: Optional[bool] = None,
                  decoupled_weight_decay: Optional[bool] = None, percentile_clipping: int = 100,
                  block_wise: bool = True, bf16_stochastic_round: bool = False, step_in_backward: bool = False) -> None:
-        check_torch_options(self._name, amsgrad, capturable, differentiable)
-        _check_bnb_options(self._name, optim_bits, args, is_paged, percentile_clipping, block_wise)
+        self._check_options(dict(amsgrad=amsgrad, capturable=capturable, differentiable=differentiable,
+                                 optim_bits=optim_bits, args=args, is_paged=is_paged,
+                                 percentile_clipping=percentile_clipping, block_wise=block_wise), self._name)
         decoupled = self._decoupled_default if decoupled_weight_decay is None else bool(decoupled_weight_decay)
         # min_8bit_size as given: the constructor's check is add_param_group's (no int() that takes '4096').
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam_w_mode=decoupled,
                                       bias_correction=True, maximize=maximize, min_8bit_size=min_8bit_size,
                                       bf16_stochastic_round=bool(bf16_stochastic_round)), step_in_backward)
+
+    def _check_options(self, options: dict[str, Any], who: str) -> None:
+        super()._check_options(options, who)
+        _check_bnb_options(who, options.get("optim_bits", 32), options.get("args"), options.get("is_paged", False),
+                           options.get("percentile_clipping", 100), options.get("block_wise", True))
 
 
 class AdamW8bit(Adam8bit):

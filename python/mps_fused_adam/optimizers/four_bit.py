@@ -13,7 +13,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from . import state_formats, validate
-from .low_bit import LowBitAdam, check_torch_options
+from .low_bit import LowBitAdam
 from ..numerics.lowbit4 import BLOCK4, MIN_4BIT_SIZE
 
 _Params = Iterable[Any]
@@ -57,14 +57,19 @@ class Adam4bit(LowBitAdam):
                  decoupled_weight_decay: Optional[bool] = None, min_4bit_size: int = MIN_4BIT_SIZE,
                  block_size: int = BLOCK4, bf16_stochastic_round: bool = False,
                  step_in_backward: bool = False) -> None:
-        check_torch_options(self._name, amsgrad, capturable, differentiable)
-        if block_size != BLOCK4:
-            raise ValueError(f"{self._name}: block_size={block_size!r} is not supported: the 4-bit states are "
-                             f"quantized in blocks of {BLOCK4} (torchao's default), which the kernels are built for")
+        self._check_options(dict(amsgrad=amsgrad, capturable=capturable, differentiable=differentiable,
+                                 block_size=block_size), self._name)
         decoupled = self._decoupled_default if decoupled_weight_decay is None else bool(decoupled_weight_decay)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam_w_mode=decoupled,
                                       bias_correction=True, maximize=maximize, min_4bit_size=min_4bit_size,
                                       bf16_stochastic_round=bool(bf16_stochastic_round)), step_in_backward)
+
+    def _check_options(self, options: dict[str, Any], who: str) -> None:
+        super()._check_options(options, who)
+        block_size = options.get("block_size", BLOCK4)
+        if block_size != BLOCK4:
+            raise ValueError(f"{who}: block_size={block_size!r} is not supported: the 4-bit states are "
+                             f"quantized in blocks of {BLOCK4} (torchao's default), which the kernels are built for")
 
 
 class AdamW4bit(Adam4bit):

@@ -5,7 +5,7 @@ options they refuse, and the state-size measure."""
 from __future__ import annotations
 
 import numbers
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -28,6 +28,14 @@ class LowBitAdam(_AdamBase):
         size = group.get(key)
         if not isinstance(size, numbers.Integral) or isinstance(size, bool) or size < 1:
             raise ValueError(f"{where}: {key} must be a positive element count (an int), got {size!r}")
+        self._check_options(group, where if where.startswith(self._name) else f"{self._name} {where}")
+
+    def _check_options(self, options: Mapping[str, Any], who: str) -> None:
+        """The options the class refuses, on its constructor's keywords or on a group given them
+        (``add_param_group``; a key left out takes the keyword's default), so that a refused
+        option is never stepped without. Subclasses add their own."""
+        check_torch_options(who, options.get("amsgrad", False), options.get("capturable", False),
+                            options.get("differentiable", False))
 
     def _retake_states(self, state_dict: dict[str, Any]) -> None:
         super()._retake_states(state_dict)
