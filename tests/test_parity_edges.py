@@ -339,12 +339,13 @@ def _bnb_trained_state_dict(bnb):
     return ps, opt.state_dict()
 
 
-def test_a_bitsandbytes_state_dict_loaded_directly_names_the_conversion():
+@pytest.mark.parametrize("cls", [mfa.AdamW8bit, mfa.AdamW4bit])
+def test_a_bitsandbytes_state_dict_loaded_directly_names_the_conversion(cls):
     from conftest import require_bitsandbytes
     from mps_fused_adam.bnb_compat import from_bitsandbytes
     bnb = require_bitsandbytes()
     ps, sd = _bnb_trained_state_dict(bnb)
-    ours = mfa.AdamW8bit([torch.nn.Parameter(p.detach().clone()) for p in ps], lr=1e-3)
+    ours = cls([torch.nn.Parameter(p.detach().clone()) for p in ps], lr=1e-3)
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] \(shape \(4096,\), float32, cpu\): the "
                                          r"state dict is in bitsandbytes' layout .*mps_fused_adam\.bnb_compat\."
                                          r"from_bitsandbytes\(state_dict\)"):

@@ -12,8 +12,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from . import state_formats, validate
-from .low_bit import LowBitAdam, check_torch_options, state_bytes_per_param  # noqa: F401  (re-exported)
-from ..bnb_compat import BNB_WRAP_KEY
+from .low_bit import LowBitAdam, check_torch_options, refuse_bitsandbytes_layout, state_bytes_per_param  # noqa: F401
 from ..numerics import lowbit
 from ..numerics.lowbit import MIN_8BIT_SIZE
 
@@ -24,10 +23,7 @@ class _Eight(state_formats.EightBit):
     refuses_dtensor = True  # blocks of a shard are not the blocks of the tensor
 
     def check_saved(self, p: torch.Tensor, st: Any, name: str) -> None:
-        if BNB_WRAP_KEY in st or "state1" in st:
-            raise ValueError(f"{validate.describe(p, name)}: the state dict is in bitsandbytes' layout (keys "
-                             f"{sorted(map(str, st))}); convert it first: "
-                             f"opt.load_state_dict(mps_fused_adam.bnb_compat.from_bitsandbytes(state_dict))")
+        refuse_bitsandbytes_layout(p, st, name)
         if state_formats.Blockwise4bit.names[0] in st:
             raise ValueError(f"{validate.describe(p, name)}: the state dict holds 4-bit states (keys "
                              f"{sorted(map(str, st))}); load it into AdamW4bit/Adam4bit, which saved it")

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from . import state_formats, validate
-from .low_bit import LowBitAdam
+from .low_bit import LowBitAdam, refuse_bitsandbytes_layout
 from ..numerics.lowbit4 import BLOCK4, MIN_4BIT_SIZE
 
 _Params = Iterable[Any]
@@ -31,6 +31,7 @@ class _Four(state_formats.FourBit):
             raise ValueError(f"{validate.describe(p, name)}: the state dict is torchao's (OptimState4bit moments); "
                              f"convert it first: "
                              f"opt.load_state_dict(mps_fused_adam.torchao_compat.from_torchao(state_dict))")
+        refuse_bitsandbytes_layout(p, st, name)
         super().check_saved(p, st, name)
 
 

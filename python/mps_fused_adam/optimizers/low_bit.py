@@ -9,7 +9,9 @@ from typing import Any, Mapping
 
 import torch
 
+from . import validate
 from .fused import _AdamBase
+from ..bnb_compat import BNB_WRAP_KEY
 
 
 class LowBitAdam(_AdamBase):
@@ -45,6 +47,15 @@ class LowBitAdam(_AdamBase):
                 st = self.state.get(p)
                 if st and "exp_avg" in st and p.numel() >= int(group[key]):
                     st.update(fmt.quantized(st.pop("exp_avg"), st.pop("exp_avg_sq"), p.device))
+
+
+def refuse_bitsandbytes_layout(p: torch.Tensor, st: Mapping[str, Any], name: str) -> None:
+    """A state dict entry in bitsandbytes' layout, refused naming the converter (which every
+    low-bit class loads the result of)."""
+    if BNB_WRAP_KEY in st or "state1" in st:
+        raise ValueError(f"{validate.describe(p, name)}: the state dict is in bitsandbytes' layout (keys "
+                         f"{sorted(map(str, st))}); convert it first: "
+                         f"opt.load_state_dict(mps_fused_adam.bnb_compat.from_bitsandbytes(state_dict))")
 
 
 def check_torch_options(cls: str, amsgrad: bool, capturable: bool, differentiable: bool) -> None:
