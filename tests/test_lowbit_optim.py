@@ -83,6 +83,57 @@ def test_sr_option_reproducible_seeded_and_in_state_dict(cls):
     assert torch.equal(p1.view(torch.int16), q.view(torch.int16))
 
 
+@pytest.mark.parametrize("cls", [mfa.AdamW, mfa.AdamW8bit, mfa.AdamW4bit])
+def test_sr_resume_seeds_a_param_first_stepped_after_it_as_without_the_interruption(cls):
+    """The per-optimizer base seed is not in the state dict: a load recovers it from a loaded
+    seed, so a param with no state at the checkpoint (no grad until then) draws the same seed,
+    and rounds the same, as in the uninterrupted run, whatever torch's RNG holds at the resume."""
+    def grads(ps, k, both):
+        gen = torch.Generator().manual_seed(100 + k)
+        for i, p in enumerate(ps):
+            g = torch.randn(p.shape, generator=gen).bfloat16()
+            p.grad = g if (i == 0 or both) else None
+
+    def run(resume):
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(5000).bfloat16()) for _ in range(2)]
+        opt = cls(ps, lr=1e-2, bf16_stochastic_round=True)
+        for k in range(3):
+            grads(ps, k, both=False)
+            opt.step()
+        if resume:
+            saved = copy.deepcopy(opt.state_dict())
+            torch.manual_seed(1234)  # a fresh process's RNG
+            ps = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+            opt = cls(ps, lr=1e-2, bf16_stochastic_round=True)
+            opt.load_state_dict(saved)
+        for k in range(3, 6):
+            grads(ps, k, both=True)
+            opt.step()
+        return ps, opt
+    (a, oa), (b, ob) = run(False), run(True)
+    assert ob.state[b[1]]["sr_seed"] == oa.state[a[1]]["sr_seed"]
+    for x, y in zip(a, b):
+        assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+
+
+@pytest.mark.parametrize("cls,size_key", [(mfa.AdamW8bit, "min_8bit_size"), (mfa.AdamW4bit, "min_4bit_size")])
+def test_loading_a_torch_checkpoint_keeps_each_groups_own_keys(cls, size_key):
+    """A torch.optim.AdamW state dict has no min_*bit_size or bf16_stochastic_round: each group
+    keeps its own (not the constructor's), and its params are quantized by its own size."""
+    ps = [torch.nn.Parameter(torch.randn(2000)), torch.nn.Parameter(torch.randn(2000).bfloat16())]
+    torch_opt = torch.optim.AdamW([{"params": [ps[0]]}, {"params": [ps[1]]}], lr=1e-3)
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    torch_opt.step()
+    ours = cls([{"params": [ps[0]], size_key: 1000}, {"params": [ps[1]], "bf16_stochastic_round": True}], lr=1e-3)
+    ours.load_state_dict(torch_opt.state_dict())
+    assert ours.param_groups[0][size_key] == 1000 and ours.param_groups[1]["bf16_stochastic_round"] is True
+    assert ours.param_groups[0]["bf16_stochastic_round"] is False  # the constructor's, as before
+    assert "exp_avg" not in ours.state[ps[0]]  # 2000 >= 1000: quantized
+    assert "exp_avg" in ours.state[ps[1]]  # 2000 < the default size: fp32 moments
+
+
 def test_sr_option_leaves_other_dtypes_alone():
     p = torch.nn.Parameter(torch.randn(100))
     q = torch.nn.Parameter(p.detach().clone())

@@ -145,6 +145,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
         step_counts.py says why)."""
         return step_counts.state_dict(self, _optimizer_method("state_dict"))
 
+    # Group keys of ours that torch.optim's state dicts lack (load_state_dict keeps the live values).
+    _kept_group_keys: tuple[str, ...] = ("bf16_stochastic_round",)
+
     # The dtype the moment estimates are kept in: a fixed one, or (None) the param's, as torch does.
     _fixed_state_dtype: Optional[torch.dtype] = None
 
@@ -199,9 +202,19 @@ class _FusedOptimizer(torch.optim.Optimizer):
         """
         policy = self._policy
         kind = policy.kind or self._state_dict_kind
+        # Our own group keys that the saved groups lack (a torch.optim checkpoint's) keep the live
+        # groups' values, not the constructor's: a group's own min_4bit_size or stochastic rounding
+        # survives loading torch's state dict.
+        kept = [{k: g[k] for k in self._kept_group_keys if k in g} for g in self.param_groups]
+
+        def retake(sd: dict[str, Any]) -> None:
+            for saved, group, live in zip(sd["param_groups"], self.param_groups, kept):
+                group.update({k: v for k, v in live.items() if k not in saved})
+            self._retake_states(sd)
+            sr_seeds.recover_base_seed(self, SEED_KEY)
         load_state_dict_with_hooks(
             self, state_dict, lambda sd: validate.check_state_dict(sd, self.param_groups, kind, policy.check_saved),
-            self._retake_states)
+            retake)
 
     def _retake_states(self, state_dict: dict[str, Any]) -> None:
         saved_state = state_dict["state"]

@@ -21,6 +21,10 @@ class LowBitAdam(_AdamBase):
 
     _policy: Any = None
 
+    @property
+    def _kept_group_keys(self) -> tuple[str, ...]:  # type: ignore[override]
+        return ("bf16_stochastic_round", self._policy.size_key)
+
     def _check_group(self, group: dict[str, Any], where: str) -> None:
         super()._check_group(group, where)
         self._check_added_group(group, where or type(self).__name__)
