@@ -189,7 +189,7 @@ def test_loading_fp32_and_8bit_checkpoints_quantizes(source):
             assert set(st) == {"step", "exp_avg", "exp_avg_sq"}
             assert torch.equal(st["exp_avg"].reshape(-1), m) and torch.equal(st["exp_avg_sq"].reshape(-1), v)
             continue
-        assert set(st) == {"step", *NAMES}
+        assert set(st) == {"step", *NAMES, "param_shape4"} and st["param_shape4"] == tuple(p.shape)
         a1, a2 = block_absmax(m, 128), block_absmax(v, 128)
         assert torch.equal(st[NAMES[1]], a1) and torch.equal(st[NAMES[3]], a2)
         assert torch.equal(st[NAMES[0]], quantize4(m, a1, True)) and torch.equal(st[NAMES[2]], quantize4(v, a2, False))
@@ -197,6 +197,33 @@ def test_loading_fp32_and_8bit_checkpoints_quantizes(source):
         p.grad = g
     opt.step()  # and it trains on
     assert all(opt.state[p]["step"] == 3 for p in params)
+
+
+@pytest.mark.parametrize("shapes", [[(4999,), (64, 130)], [(5000,), (130, 64)]], ids=["one-fewer", "transposed"])
+def test_states_of_another_shape_are_refused(shapes):
+    """Packed codes and block scales have the same sizes for 5000 and 4999 elements, and for any
+    shape of 8320: the state's param_shape4 tells, so a state dict made for other shapes is refused
+    before anything is loaded, and so is a param whose data changed shape after its first step."""
+    made = [torch.nn.Parameter(torch.randn(5000)), torch.nn.Parameter(torch.randn(64, 130))]
+    opt = mfa.AdamW4bit(made)
+    for p in made:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert [opt.state[p]["param_shape4"] for p in made] == [(5000,), (64, 130)]
+    others = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    other_opt = mfa.AdamW4bit(others)
+    with pytest.raises(ValueError, match=r"4-bit states were made for a param of shape \(\d+, ?\d*\)"):
+        other_opt.load_state_dict(opt.state_dict())
+    assert not other_opt.state
+    changed = 0 if shapes[0] != (5000,) else 1
+    p, kept = made[changed], made[1 - changed]
+    p.data = torch.randn(shapes[changed])
+    p.grad = torch.randn_like(p)
+    before = kept.detach().clone()
+    kept.grad = torch.randn_like(before)
+    with pytest.raises(ValueError, match="4-bit states were made for a param of shape"):
+        opt.step()
+    assert torch.equal(kept.detach(), before)  # nothing stepped
 
 
 def test_4bit_state_dict_into_8bit_is_refused_clearly():

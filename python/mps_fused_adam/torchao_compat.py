@@ -13,6 +13,7 @@ torchao (``OptimState4bit`` moments)               mps_fused_adam ``AdamW4bit``/
 ``exp_avg.scale`` fp32[n / block_size]             ``exp_avg_absmax4``
 ``exp_avg_sq.codes``, ``exp_avg_sq.scale``         ``exp_avg_sq_codes4``, ``exp_avg_sq_absmax4``
 ``.qmap`` fp32[16], ``.signed``                    (constants: ``lowbit4.map4``; checked)
+the moment's ``.shape`` (the param's)              ``param_shape4``
 plain ``exp_avg``/``exp_avg_sq`` (small tensors)   ``exp_avg``/``exp_avg_sq`` fp32
 =================================================  ==========================================
 
@@ -104,7 +105,8 @@ def from_torchao(state_dict: dict[str, Any], *, adamw: bool = True) -> dict[str,
             c2, a2 = _quantized(key, "exp_avg_sq", v, False)
             if c1.numel() != c2.numel():
                 raise ValueError(f"state of parameter {key!r}: exp_avg and exp_avg_sq have different sizes")
-            out.update(exp_avg_codes4=c1, exp_avg_absmax4=a1, exp_avg_sq_codes4=c2, exp_avg_sq_absmax4=a2)
+            out.update(exp_avg_codes4=c1, exp_avg_absmax4=a1, exp_avg_sq_codes4=c2, exp_avg_sq_absmax4=a2,
+                       param_shape4=tuple(int(d) for d in (getattr(m, "_shape", None) or m.shape)))
         elif not any(quantized) and all(isinstance(t, torch.Tensor) for t in (m, v)):
             out["exp_avg"] = m.detach().float().clone()
             out["exp_avg_sq"] = v.detach().float().clone()

@@ -493,7 +493,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                             ok = (ok and type(t) is plain_t and t.dtype is sd and t.shape == shape
                                   and (t.is_cpu if on_cpu else t.device == p.device))
                     else:
-                        ok = ok and fmt.fits(p, states, on_cpu)
+                        ok = ok and fmt.fits(p, states, on_cpu, st)
                     taken = st.get("step", 0)
                     ok = ok and type(taken) is int and taken >= 0
                 if ok and only is not None:

@@ -21,6 +21,9 @@ from ..numerics import lowbit4, reference_lowbit
 from ..numerics.lowbit import SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE, num_blocks
 
 SEED_KEY = "sr_seed"  # a bf16 param's stochastic-rounding seed, in its state (sr_seeds.py)
+# The shape of the param a 4-bit state was made for: its packed codes and block scales have the
+# same sizes for n and n + 1 elements and for any shape of n elements, so they cannot tell.
+SHAPE_KEY4 = "param_shape4"
 
 
 class Moments:
@@ -107,8 +110,9 @@ class _Blockwise:
         c1, a1, c2, a2 = self.names
         return {c1: (shape, torch.uint8), a1: (nb, torch.float32), c2: (shape, torch.uint8), a2: (nb, torch.float32)}
 
-    def fits(self, p: torch.Tensor, states: list, on_cpu: bool) -> bool:
-        """The step's one-expression check of existing state (``check`` names what does not fit)."""
+    def fits(self, p: torch.Tensor, states: list, on_cpu: bool, st: Mapping[str, Any]) -> bool:
+        """The step's one-expression check of existing state ``st`` (its tensors ``states``;
+        ``check`` names what does not fit)."""
         plain_t, shape = torch.Tensor, self.codes_shape(p)
         c1, a1, c2, a2 = states
         nb = (self.blocks(p.numel()),)
@@ -199,14 +203,37 @@ class Blockwise4bit(_Blockwise):
     def fresh_codes(self, p: torch.Tensor, signed: bool) -> torch.Tensor:
         return lowbit4.fresh_codes4(p.numel(), signed, p.device)
 
-    def quantized(self, m: torch.Tensor, v: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
-        out = {}
+    def quantized(self, m: torch.Tensor, v: torch.Tensor, device: torch.device) -> dict[str, Any]:
+        out: dict[str, Any] = {SHAPE_KEY4: tuple(m.shape)}
         for (codes, absmax), t, signed in ((self.names[:2], m, True), (self.names[2:], v, False)):
             t = t.detach().to("cpu", torch.float32).reshape(-1).contiguous()
             scale = reference_lowbit.block_absmax(t, lowbit4.BLOCK4)
             out[codes] = reference_lowbit.quantize4(t, scale, signed).to(device)
             out[absmax] = (scale if signed else lowbit4.stored_scale2(scale)).contiguous().to(device)
         return out
+
+    def new(self, opt: Any, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        st: dict[str, Any] = super().new(opt, p, group)
+        st[SHAPE_KEY4] = tuple(p.shape)
+        return st
+
+    def fits(self, p: torch.Tensor, states: list, on_cpu: bool, st: Mapping[str, Any]) -> bool:
+        return super().fits(p, states, on_cpu, st) and p.shape == st.get(SHAPE_KEY4)
+
+    def check(self, opt: Any, p: torch.Tensor, st: Mapping[str, Any], name: str, saved: bool = False) -> None:
+        super().check(opt, p, st, name, saved)
+        made_for = st.get(SHAPE_KEY4)
+        if made_for is None:
+            raise ValueError(f"{validate.describe(p, name)}: optimizer state '{SHAPE_KEY4}' (the shape of the param "
+                             f"its 4-bit codes were made for) is missing")
+        if not isinstance(made_for, (tuple, list)) or tuple(made_for) != tuple(p.shape):
+            raise ValueError(f"{validate.describe(p, name)}: its 4-bit states were made for a param of shape "
+                             f"{made_for!r} ('{SHAPE_KEY4}'), not {tuple(p.shape)}: the codes of one would be "
+                             f"applied to the elements of the other")
+
+    def retake(self, opt: Any, p: torch.Tensor, saved: Mapping[str, Any], st: dict[str, Any]) -> None:
+        super().retake(opt, p, saved, st)
+        st[SHAPE_KEY4] = tuple(int(d) for d in saved[SHAPE_KEY4])
 
 
 class OneFormat:
@@ -280,7 +307,7 @@ class _From8bit:
             st.pop(key, None)
         st["exp_avg"], st["exp_avg_sq"] = m.to(p.device), v.to(p.device)
 
-    def fits(self, p: torch.Tensor, states: list, on_cpu: bool) -> bool:
+    def fits(self, p: torch.Tensor, states: list, on_cpu: bool, st: Mapping[str, Any]) -> bool:
         return False
 
     def check(self, opt: Any, p: torch.Tensor, st: Mapping[str, Any], name: str) -> None:
