@@ -135,9 +135,10 @@ def test_state_layout_and_bytes_per_param():
     p.grad = torch.randn_like(p)
     opt.step()
     st = opt.state[p]
-    assert sorted(k for k in st if isinstance(st[k], torch.Tensor)) == sorted(NAMES)
-    # Two codes a byte per moment and one fp32 scale per 128 elements: 2 * (0.5 + 4 / 128) bytes.
-    assert state_bytes_per_param(opt) == pytest.approx(2 * (0.5 + 4 / 128))
+    assert sorted(k for k in st if isinstance(st[k], torch.Tensor)) == sorted([*NAMES, "param_shape4"])
+    # Two codes a byte per moment and one fp32 scale per 128 elements: 2 * (0.5 + 4 / 128) bytes;
+    # and the param's shape, one int64 per dim.
+    assert state_bytes_per_param(opt) == pytest.approx(2 * (0.5 + 4 / 128) + 8 / (1 << 16))
 
 
 def test_state_dict_round_trip_continues_identically():
@@ -189,7 +190,7 @@ def test_loading_fp32_and_8bit_checkpoints_quantizes(source):
             assert set(st) == {"step", "exp_avg", "exp_avg_sq"}
             assert torch.equal(st["exp_avg"].reshape(-1), m) and torch.equal(st["exp_avg_sq"].reshape(-1), v)
             continue
-        assert set(st) == {"step", *NAMES, "param_shape4"} and st["param_shape4"] == tuple(p.shape)
+        assert set(st) == {"step", *NAMES, "param_shape4"} and st["param_shape4"].tolist() == list(p.shape)
         a1, a2 = block_absmax(m, 128), block_absmax(v, 128)
         assert torch.equal(st[NAMES[1]], a1) and torch.equal(st[NAMES[3]], a2)
         assert torch.equal(st[NAMES[0]], quantize4(m, a1, True)) and torch.equal(st[NAMES[2]], quantize4(v, a2, False))
@@ -209,7 +210,7 @@ def test_states_of_another_shape_are_refused(shapes):
     for p in made:
         p.grad = torch.randn_like(p)
     opt.step()
-    assert [opt.state[p]["param_shape4"] for p in made] == [(5000,), (64, 130)]
+    assert [opt.state[p]["param_shape4"].tolist() for p in made] == [[5000], [64, 130]]
     others = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
     other_opt = mfa.AdamW4bit(others)
     with pytest.raises(ValueError, match=r"4-bit states were made for a param of shape \(\d+, ?\d*\)"):
@@ -369,3 +370,43 @@ def test_from_torchao_real_checkpoint():
     assert torch.equal(dequantize4(st[NAMES[2]], st[NAMES[3]], False, p.numel()).view(p.shape),
                        theirs_sq.dequantize())
     assert st["step"] == 3
+
+
+@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
+@pytest.mark.parametrize("cls", ["AdamW4bit", "AdamW8bit"])
+def test_distributed_checkpoint_round_trip(tmp_path, cls, flatten):
+    """torch.distributed.checkpoint (single process) saves and loads the low-bit states, nested or
+    flattened (flattening takes tensor, int, float and dict states only: param_shape4 is a
+    tensor), and the loaded optimizer continues bit for bit as the saver."""
+    import warnings
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+    size_key = "min_4bit_size" if cls == "AdamW4bit" else "min_8bit_size"
+
+    def model_and_opt(seed=0):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 5))
+        return m, getattr(mfa, cls)(m.parameters(), lr=1e-2, **{size_key: 1024})
+
+    def train(m, opt, steps, start):
+        for s in range(start, start + steps):
+            torch.manual_seed(1000 + s)
+            opt.zero_grad()
+            m(torch.randn(4, 64)).pow(2).sum().backward()
+            opt.step()
+
+    m, opt = model_and_opt()
+    train(m, opt, 3, 0)
+    dcp.save({"optim": get_optimizer_state_dict(m, opt, options=options)}, checkpoint_id=str(tmp_path))
+    m2, opt2 = model_and_opt(seed=1)
+    m2.load_state_dict(m.state_dict())
+    target = {"optim": get_optimizer_state_dict(m2, opt2, options=options)}
+    dcp.load(target, checkpoint_id=str(tmp_path))
+    set_optimizer_state_dict(m2, opt2, target["optim"], options=options)
+    train(m, opt, 2, 3)
+    train(m2, opt2, 2, 3)
+    for a, b in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(a.detach(), b.detach())

@@ -117,6 +117,25 @@ def test_sr_resume_seeds_a_param_first_stepped_after_it_as_without_the_interrupt
         assert torch.equal(x.view(torch.int16), y.view(torch.int16))
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_sr_copy_of_the_optimizer_seeds_later_params_as_the_original(how):
+    """A deep copy or a pickle of the params with their optimizer keeps the base seed: a param
+    first stepped after the copy gets the original's seed and rounds as it does."""
+    import pickle
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(300).bfloat16()) for _ in range(2)]
+    opt = mfa.AdamW([{"params": [ps[0]]}, {"params": [ps[1]]}], lr=1e-2, bf16_stochastic_round=True)
+    ps[0].grad = torch.randn(300).bfloat16()
+    opt.step()
+    cps, copt = copy.deepcopy((ps, opt)) if how == "deepcopy" else pickle.loads(pickle.dumps((ps, opt)))
+    torch.manual_seed(1234)  # other RNG state: the copy must not draw a new base seed
+    for params, o in ((ps, opt), (cps, copt)):
+        params[1].grad = torch.ones(300).bfloat16()
+        o.step()
+    assert copt.state[cps[1]]["sr_seed"] == opt.state[ps[1]]["sr_seed"]
+    assert torch.equal(cps[1].view(torch.int16), ps[1].view(torch.int16))
+
+
 @pytest.mark.parametrize("cls,size_key", [(mfa.AdamW8bit, "min_8bit_size"), (mfa.AdamW4bit, "min_4bit_size")])
 def test_loading_a_torch_checkpoint_keeps_each_groups_own_keys(cls, size_key):
     """A torch.optim.AdamW state dict has no min_*bit_size or bf16_stochastic_round: each group

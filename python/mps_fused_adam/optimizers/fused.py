@@ -162,6 +162,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
         state = super().__getstate__()
         state["mps_fused_adam_config"] = {k: getattr(self, k) for k in self._config_attributes}
         state["mps_fused_adam_config"]["_group_defaults"] = self.__dict__.get("_group_defaults")
+        # The stochastic-rounding base seed (sr_seeds.py): a copy's params first stepped later get
+        # the seeds the original's would.
+        state["mps_fused_adam_config"]["_sr_base_seed"] = self.__dict__.get("_sr_base_seed")
         return in_backward.getstate(self, state)
 
     def __setstate__(self, state: dict[str, Any]) -> None:

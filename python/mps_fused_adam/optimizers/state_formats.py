@@ -22,8 +22,24 @@ from ..numerics.lowbit import SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE, num_blocks
 
 SEED_KEY = "sr_seed"  # a bf16 param's stochastic-rounding seed, in its state (sr_seeds.py)
 # The shape of the param a 4-bit state was made for: its packed codes and block scales have the
-# same sizes for n and n + 1 elements and for any shape of n elements, so they cannot tell.
+# same sizes for n and n + 1 elements and for any shape of n elements, so they cannot tell. An
+# int64 CPU tensor of the dims (torch.distributed.checkpoint flattens tensor, int, float and dict
+# states only); torch's load casts it like a moment, so loads re-take it from the saved dict.
 SHAPE_KEY4 = "param_shape4"
+
+
+def shape_tensor(shape: Any) -> torch.Tensor:
+    """``shape`` (a torch.Size, tuple or list of ints, or such a tensor) as ``param_shape4``'s tensor."""
+    if isinstance(shape, torch.Tensor):
+        shape = shape.tolist()
+    return torch.tensor([int(d) for d in shape], dtype=torch.int64)
+
+
+def _made_for(st: Mapping[str, Any]) -> Optional[tuple[int, ...]]:
+    t = st.get(SHAPE_KEY4)
+    if isinstance(t, torch.Tensor) and t.dim() == 1 and not t.is_floating_point() and not t.is_complex():
+        return tuple(t.tolist())
+    return None
 
 
 class Moments:
@@ -204,7 +220,7 @@ class Blockwise4bit(_Blockwise):
         return lowbit4.fresh_codes4(p.numel(), signed, p.device)
 
     def quantized(self, m: torch.Tensor, v: torch.Tensor, device: torch.device) -> dict[str, Any]:
-        out: dict[str, Any] = {SHAPE_KEY4: tuple(m.shape)}
+        out: dict[str, Any] = {SHAPE_KEY4: shape_tensor(m.shape)}
         for (codes, absmax), t, signed in ((self.names[:2], m, True), (self.names[2:], v, False)):
             t = t.detach().to("cpu", torch.float32).reshape(-1).contiguous()
             scale = reference_lowbit.block_absmax(t, lowbit4.BLOCK4)
@@ -214,26 +230,30 @@ class Blockwise4bit(_Blockwise):
 
     def new(self, opt: Any, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         st: dict[str, Any] = super().new(opt, p, group)
-        st[SHAPE_KEY4] = tuple(p.shape)
+        st[SHAPE_KEY4] = shape_tensor(p.shape)
         return st
 
     def fits(self, p: torch.Tensor, states: list, on_cpu: bool, st: Mapping[str, Any]) -> bool:
-        return super().fits(p, states, on_cpu, st) and p.shape == st.get(SHAPE_KEY4)
+        return super().fits(p, states, on_cpu, st) and _made_for(st) == p.shape
 
     def check(self, opt: Any, p: torch.Tensor, st: Mapping[str, Any], name: str, saved: bool = False) -> None:
         super().check(opt, p, st, name, saved)
-        made_for = st.get(SHAPE_KEY4)
+        made_for = _made_for(st)
         if made_for is None:
+            found = st.get(SHAPE_KEY4)
             raise ValueError(f"{validate.describe(p, name)}: optimizer state '{SHAPE_KEY4}' (the shape of the param "
-                             f"its 4-bit codes were made for) is missing")
-        if not isinstance(made_for, (tuple, list)) or tuple(made_for) != tuple(p.shape):
+                             f"its 4-bit codes were made for, a 1-D integer tensor) is "
+                             f"{'missing' if found is None else repr(found)}; a 4-bit state dict of a development "
+                             f"version before it loads once it is set: state['{SHAPE_KEY4}'] = "
+                             f"torch.tensor(param.shape)")
+        if made_for != tuple(p.shape):
             raise ValueError(f"{validate.describe(p, name)}: its 4-bit states were made for a param of shape "
-                             f"{made_for!r} ('{SHAPE_KEY4}'), not {tuple(p.shape)}: the codes of one would be "
+                             f"{made_for} ('{SHAPE_KEY4}'), not {tuple(p.shape)}: the codes of one would be "
                              f"applied to the elements of the other")
 
     def retake(self, opt: Any, p: torch.Tensor, saved: Mapping[str, Any], st: dict[str, Any]) -> None:
         super().retake(opt, p, saved, st)
-        st[SHAPE_KEY4] = tuple(int(d) for d in saved[SHAPE_KEY4])
+        st[SHAPE_KEY4] = shape_tensor(saved[SHAPE_KEY4])
 
 
 class OneFormat:
