@@ -13,18 +13,10 @@
 #include <vector>
 
 #include "adam_types.h"
+#include "dispatch_stubs.h"
 #include "q8_tables.h"
 
 namespace mfa {
-namespace isa_scalar { IsaTable table(); }
-namespace MFA_NATIVE_NS { IsaTable table(); }
-// dispatch.cpp (the per-vendor choice) is not linked here: a fixed distance, so that the loops'
-// prefetch branch runs too. Prefetching moves no bit (tests/test_cpu_kernel.py checks every distance).
-int prefetch_bytes(int, int) { return 256; }
-// The far prefetch too, past the ends of the tensors included.
-int far_prefetch_bytes(int, int) { return 2048; }
-// The bf16 pair path on, as by default (test_cpu_kernel.py checks that turning it off moves no bit).
-bool bf16_pairs() { return true; }
 // The 8-bit section runs with the permute dequantization on (the default) and off.
 static bool g_q8_permute = true;
 bool q8_permute_dequant() { return g_q8_permute; }

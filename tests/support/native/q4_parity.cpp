@@ -12,15 +12,10 @@
 #include <vector>
 
 #include "adam_types.h"
+#include "dispatch_stubs.h"
 
 namespace mfa {
-namespace isa_scalar { IsaTable table(); }
-namespace MFA_NATIVE_NS { IsaTable table(); }
-// dispatch.cpp is not linked here: what the span loops and the 8-bit kernel ask it, fixed.
-int prefetch_bytes(int, int) { return 256; }
-int far_prefetch_bytes(int, int) { return 2048; }
-bool bf16_pairs() { return true; }
-bool q8_permute_dequant() { return true; }
+bool q8_permute_dequant() { return true; }  // the 8-bit kernel's default
 }  // namespace mfa
 
 using namespace mfa;
