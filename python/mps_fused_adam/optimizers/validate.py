@@ -135,10 +135,17 @@ def check_state(p: torch.Tensor, state: Mapping[str, Any], name: str, state_dtyp
     check_step(p, state, name)
 
 
-def check_step(p: torch.Tensor, state: Mapping[str, Any], name: str) -> None:
+def check_step(p: torch.Tensor, state: dict[str, Any], name: str) -> None:
     """A state's ``step`` (0 when absent) must be a non-negative int: the optimizers keep it a
-    Python int, ``load_state_dict`` too."""
+    Python int, ``load_state_dict`` too. A one-element tensor holding a whole non-negative count,
+    torch's form, is taken as that int in place: states written without our ``load_state_dict``
+    carry it (``torch.distributed.optim.ZeroRedundancyOptimizer``'s load copies them in as saved)."""
     step = state.get("step", 0)
+    if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_complex():
+        value = step.item()
+        if not isinstance(value, bool) and math.isfinite(value) and value >= 0 and value == int(value):
+            state["step"] = int(value)
+            return
     if type(step) is not int or step < 0:
         raise ValueError(f"{describe(p, name)}: optimizer state 'step' is {step!r} ({type(step).__name__}); "
                          f"expected the number of steps taken, a non-negative int")
