@@ -85,6 +85,13 @@ if [ -n "${MFA_BITSANDBYTES:-}" ]; then
   "$VPY" -m pip install -q -c "$WORK/constraints.txt" "bitsandbytes==${MFA_BITSANDBYTES}"
 fi
 
+if [ -n "${MFA_TORCHAO:-}" ]; then
+  # torchao, for the 4-bit comparisons with its AdamW4bit (its step and its checkpoints converted);
+  # the torch pin as a constraint.
+  printf 'torch==2.13.0\n' > "$WORK/constraints.txt"
+  "$VPY" -m pip install -q -c "$WORK/constraints.txt" "torchao==${MFA_TORCHAO}"
+fi
+
 if [ -n "${MFA_INTEGRATION:-}" ]; then
   # The training libraries of the integration tests (tests/test_integration_*.py: Hugging Face
   # Trainer, accelerate, Lightning), pinned by the caller; the torch pin as a constraint.

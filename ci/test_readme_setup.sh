@@ -30,7 +30,7 @@ echo "------------------------------------"
 # Skip lines are checked below; the log is the run's whole output.
 (
   cd "$WORK/checkout"
-  unset MFA_REQUIRE_TOOLS MFA_REQUIRE_DEEPSPEED MFA_REQUIRE_BITSANDBYTES MFA_REQUIRE_INTEGRATION MFA_WHEEL MFA_DS_CPU_ADAM_SO VIRTUAL_ENV PYTHONPATH
+  unset MFA_REQUIRE_TOOLS MFA_REQUIRE_DEEPSPEED MFA_REQUIRE_BITSANDBYTES MFA_REQUIRE_INTEGRATION MFA_REQUIRE_TORCHAO MFA_WHEEL MFA_DS_CPU_ADAM_SO VIRTUAL_ENV PYTHONPATH
   export PYTEST_ADDOPTS="-ra -p no:cacheprovider"
   # The block's --extra-index-url (PyTorch's CPU index) cannot be reached from CI: its name does
   # not resolve, and with no retries pip moves on at once (pip's default, 5 retries with

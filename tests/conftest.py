@@ -77,8 +77,8 @@ def require_bitsandbytes():
 
 
 def require_torchao():
-    """torchao, or a skip saying why; a failure where MFA_REQUIRE_TORCHAO=1. CI does not install
-    it: the 4-bit conversion tests that CI runs build torchao's state layout by hand."""
+    """torchao, or a skip saying why; a failure where MFA_REQUIRE_TORCHAO=1 (CI installs
+    torchao==0.18.0; the README's set-up does not, and a hand-built torchao layout is checked there)."""
     try:
         import torchao.optim  # noqa: F401
     except Exception as exc:

@@ -106,8 +106,7 @@ def from_torchao(state_dict: dict[str, Any], *, adamw: bool = True) -> dict[str,
             if c1.numel() != c2.numel():
                 raise ValueError(f"state of parameter {key!r}: exp_avg and exp_avg_sq have different sizes")
             out.update(exp_avg_codes4=c1, exp_avg_absmax4=a1, exp_avg_sq_codes4=c2, exp_avg_sq_absmax4=a2,
-                       param_shape4=torch.tensor([int(d) for d in (getattr(m, "_shape", None) or m.shape)],
-                                                 dtype=torch.int64))
+                       param_shape4=lowbit4.shape_tensor(getattr(m, "_shape", None) or m.shape))
         elif not any(quantized) and all(isinstance(t, torch.Tensor) for t in (m, v)):
             out["exp_avg"] = m.detach().float().clone()
             out["exp_avg_sq"] = v.detach().float().clone()

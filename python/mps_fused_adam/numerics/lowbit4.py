@@ -55,6 +55,7 @@ per-call scalars (``lowbit.Adam8bitScalars``, clamp included: ``lowbit.adam8bit_
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Sequence
 
 import torch
 
@@ -139,6 +140,16 @@ def stored_scale2(absmax: torch.Tensor) -> torch.Tensor:
     block with an infinite or NaN scale takes code 0)."""
     nan = torch.tensor(STORED_NAN_BITS, dtype=torch.int32).view(torch.float32).to(absmax.device)
     return torch.where(absmax == float("inf"), nan, absmax)
+
+
+def shape_tensor(shape: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """The state entry ``param_shape4``: the shape of the param a 4-bit state was made for, as a
+    1-D int64 CPU tensor. The packed codes and block scales have the same sizes for ``n`` and
+    ``n + 1`` elements and for every shape of ``n``, so they cannot tell; a tensor, since
+    torch.distributed.checkpoint flattens tensor, int, float and dict states only."""
+    if isinstance(shape, torch.Tensor):
+        shape = shape.tolist()
+    return torch.tensor([int(d) for d in shape], dtype=torch.int64)
 
 
 def num_blocks4(numel: int) -> int:

@@ -21,18 +21,9 @@ from ..numerics import lowbit4, reference_lowbit
 from ..numerics.lowbit import SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE, num_blocks
 
 SEED_KEY = "sr_seed"  # a bf16 param's stochastic-rounding seed, in its state (sr_seeds.py)
-# The shape of the param a 4-bit state was made for: its packed codes and block scales have the
-# same sizes for n and n + 1 elements and for any shape of n elements, so they cannot tell. An
-# int64 CPU tensor of the dims (torch.distributed.checkpoint flattens tensor, int, float and dict
-# states only); torch's load casts it like a moment, so loads re-take it from the saved dict.
+# The shape of the param a 4-bit state was made for (lowbit4.shape_tensor says why and how);
+# torch's load casts it like a moment, so loads re-take it from the saved dict.
 SHAPE_KEY4 = "param_shape4"
-
-
-def shape_tensor(shape: Any) -> torch.Tensor:
-    """``shape`` (a torch.Size, tuple or list of ints, or such a tensor) as ``param_shape4``'s tensor."""
-    if isinstance(shape, torch.Tensor):
-        shape = shape.tolist()
-    return torch.tensor([int(d) for d in shape], dtype=torch.int64)
 
 
 def _made_for(st: Mapping[str, Any]) -> Optional[tuple[int, ...]]:
@@ -220,7 +211,7 @@ class Blockwise4bit(_Blockwise):
         return lowbit4.fresh_codes4(p.numel(), signed, p.device)
 
     def quantized(self, m: torch.Tensor, v: torch.Tensor, device: torch.device) -> dict[str, Any]:
-        out: dict[str, Any] = {SHAPE_KEY4: shape_tensor(m.shape)}
+        out: dict[str, Any] = {SHAPE_KEY4: lowbit4.shape_tensor(m.shape)}
         for (codes, absmax), t, signed in ((self.names[:2], m, True), (self.names[2:], v, False)):
             t = t.detach().to("cpu", torch.float32).reshape(-1).contiguous()
             scale = reference_lowbit.block_absmax(t, lowbit4.BLOCK4)
@@ -230,7 +221,7 @@ class Blockwise4bit(_Blockwise):
 
     def new(self, opt: Any, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         st: dict[str, Any] = super().new(opt, p, group)
-        st[SHAPE_KEY4] = shape_tensor(p.shape)
+        st[SHAPE_KEY4] = lowbit4.shape_tensor(p.shape)
         return st
 
     def fits(self, p: torch.Tensor, states: list, on_cpu: bool, st: Mapping[str, Any]) -> bool:
@@ -253,7 +244,7 @@ class Blockwise4bit(_Blockwise):
 
     def retake(self, opt: Any, p: torch.Tensor, saved: Mapping[str, Any], st: dict[str, Any]) -> None:
         super().retake(opt, p, saved, st)
-        st[SHAPE_KEY4] = shape_tensor(saved[SHAPE_KEY4])
+        st[SHAPE_KEY4] = lowbit4.shape_tensor(saved[SHAPE_KEY4])
 
 
 class OneFormat:
